@@ -1,0 +1,3 @@
+from k3.cli import main
+
+main()

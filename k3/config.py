@@ -1,0 +1,325 @@
+"""K3Config: the text model's configuration, field names = the official `text_config` keys.
+
+Reads and writes the published config.json of `moonshotai/Kimi-K3` (top level `kimi_k3` with a
+`text_config`) and of `moonshotai/Kimi-Linear-48B-A3B` (flat `kimi_linear`). Writing back is
+lossless: keys we do not model are kept verbatim, keys that were absent stay absent (absence has
+meaning: no `gate_lower_bound` = softplus gate, no `attn_res_block_size` = plain residual;
+SPEC §1). Layer lists in `linear_attn_config` are 1-INDEXED, as published.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Keys of `linear_attn_config` we model, mapped to our flat field names.
+_LINEAR_ATTN_KEYS = {
+    "kda_layers": "kda_layers",
+    "full_attn_layers": "full_attn_layers",
+    "head_dim": "kda_head_dim",
+    "num_heads": "kda_num_heads",
+    "short_conv_kernel_size": "short_conv_kernel_size",
+    "gate_lower_bound": "gate_lower_bound",
+    "use_full_rank_gate": "use_full_rank_gate",
+}
+# Fields whose "absent" value changes the architecture; never written when absent and unset.
+_ABSENT_MEANS_DEFAULT = {
+    "gate_lower_bound": None, "use_full_rank_gate": False, "attn_res_block_size": None,
+    "routed_expert_hidden_size": None, "latent_moe_use_norm": False, "mla_use_output_gate": False,
+    "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "q_lora_rank": None,
+}
+# Our own runtime choices (not in the official schema); written under these names only.
+_K3_RUNTIME_KEYS = ("mla_impl", "kda_impl", "kda_chunk_size")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the field and the constraint."""
+
+
+@dataclass
+class K3Config:
+    # --- sizes
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    num_hidden_layers: int = 93
+    num_attention_heads: int = 96
+    num_key_value_heads: int = 96
+    intermediate_size: int = 33792
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1048576
+    initializer_range: float = 0.02
+    hidden_act: str = "situ"  # "situ" (SiTU-GLU) or "silu" (SwiGLU)
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    attn_res_block_size: int | None = 12  # None: plain pre-norm residual
+    # --- KDA (linear_attn_config)
+    kda_layers: list[int] = field(default_factory=list)  # 1-indexed
+    full_attn_layers: list[int] = field(default_factory=list)  # 1-indexed
+    kda_head_dim: int = 128
+    kda_num_heads: int = 96
+    short_conv_kernel_size: int = 4
+    gate_lower_bound: float | None = -5.0  # None: Kimi-Linear softplus gate
+    use_full_rank_gate: bool = True  # output gate g_proj (K3) vs low-rank g_a/g_b (Kimi Linear)
+    # --- MLA
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    # --- MoE
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    num_experts: int = 896
+    num_experts_per_token: int = 16
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 3072
+    routed_expert_hidden_size: int | None = 3584  # None: classic (full-width) MoE
+    latent_moe_use_norm: bool = True
+    moe_router_activation_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    use_grouped_topk: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    num_nextn_predict_layers: int = 0
+    # --- special tokens
+    bos_token_id: int | None = 163584
+    eos_token_id: int | None = 163586
+    pad_token_id: int | None = 163839
+    # --- our runtime choices (SPEC-style modes as config fields, not magic switches)
+    mla_impl: str = "naive"  # "naive" | "absorb" (absorbed attention over the latent cache)
+    kda_impl: str = "auto"  # "auto" | "chunk" | "recurrent" | "fla"
+    kda_chunk_size: int = 64
+    # --- verbatim carry-over for lossless writes
+    _text_source: dict | None = field(default=None, repr=False, compare=False)
+    _wrapper_source: dict | None = field(default=None, repr=False, compare=False)
+    wrapper_model_type: str | None = "kimi_k3"  # "kimi_k3": multimodal wrapper; None: flat kimi_linear
+
+    def __post_init__(self):
+        if not self.kda_layers and not self.full_attn_layers:
+            self.full_attn_layers = default_full_attn_layers(self.num_hidden_layers)
+            self.kda_layers = [i for i in range(1, self.num_hidden_layers + 1) if i not in self.full_attn_layers]
+        self.validate()
+
+    # ----------------------------------------------------------------- derived sizes
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_mla_layer(self, idx: int) -> bool:
+        """idx is 0-based; the published lists are 1-based (SPEC §2)."""
+        return (idx + 1) in self.full_attn_layers
+
+    def is_moe_layer(self, idx: int) -> bool:
+        return self.num_experts > 0 and idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
+
+    @property
+    def num_kda_layers(self) -> int:
+        return len(self.kda_layers)
+
+    @property
+    def num_mla_layers(self) -> int:
+        return len(self.full_attn_layers)
+
+    @property
+    def moe_hidden_size(self) -> int:
+        """Width the routed experts see: the latent size for Stable LatentMoE, else hidden."""
+        return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def checkpoint_prefix(self) -> str:
+        """Official tensor-name prefix of the text model (SPEC §1, §10)."""
+        return "language_model." if self.wrapper_model_type == "kimi_k3" else ""
+
+    # ----------------------------------------------------------------- validation
+    def validate(self) -> None:
+        def need(cond: bool, fieldname: str, msg: str):
+            if not cond:
+                raise ConfigError(f"K3Config.{fieldname}: {msg}")
+
+        n = self.num_hidden_layers
+        need(n >= 1, "num_hidden_layers", f"must be >= 1, got {n}")
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "kda_head_dim", "kda_num_heads",
+                     "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size"):
+            need(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
+        need(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads",
+             f"MLA has as many kv heads as query heads ({self.num_attention_heads}), got {self.num_key_value_heads}")
+        both = set(self.kda_layers) & set(self.full_attn_layers)
+        need(not both, "linear_attn_config", f"layers {sorted(both)} are in both kda_layers and full_attn_layers")
+        covered = sorted(set(self.kda_layers) | set(self.full_attn_layers))
+        need(covered == list(range(1, n + 1)), "linear_attn_config",
+             f"kda_layers + full_attn_layers (1-indexed) must cover 1..{n} exactly once; "
+             f"missing {sorted(set(range(1, n + 1)) - set(covered))}, out of range {sorted(set(covered) - set(range(1, n + 1)))}")
+        need(len(self.kda_layers) + len(self.full_attn_layers) == n, "linear_attn_config", "duplicate layer indices")
+        if self.gate_lower_bound is not None:
+            need(-5.0 <= self.gate_lower_bound < 0.0, "gate_lower_bound",
+                 f"must lie in [-5, 0) (the chunked kernels' tile-range guarantee, SPEC §3), got {self.gate_lower_bound}")
+        need(self.short_conv_kernel_size >= 1, "short_conv_kernel_size", "must be >= 1")
+        need(self.hidden_act in ("situ", "silu"), "hidden_act", f"must be 'situ' or 'silu', got {self.hidden_act!r}")
+        if self.attn_res_block_size is not None:
+            need(self.attn_res_block_size >= 1, "attn_res_block_size", "must be >= 1 or absent")
+        if self.num_experts > 0:
+            need(1 <= self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
+                 f"must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_token}")
+            need(self.moe_router_activation_func == "sigmoid", "moe_router_activation_func", "only 'sigmoid' is supported")
+            need(self.topk_method == "noaux_tc", "topk_method", "only 'noaux_tc' is supported")
+            need(self.num_expert_group == 1 and self.topk_group == 1, "num_expert_group",
+                 "grouped top-k with more than one group is not supported (K3 uses 1/1, a no-op)")
+            need(self.moe_intermediate_size >= 1, "moe_intermediate_size", "must be >= 1")
+            if self.routed_expert_hidden_size is not None:
+                need(1 <= self.routed_expert_hidden_size, "routed_expert_hidden_size", "must be >= 1")
+        need(self.first_k_dense_replace >= 0, "first_k_dense_replace", "must be >= 0")
+        need(self.moe_layer_freq >= 1, "moe_layer_freq", "must be >= 1")
+        need(self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank", "must be >= 1 or null")
+        need(self.mla_impl in ("naive", "absorb"), "mla_impl", f"must be 'naive' or 'absorb', got {self.mla_impl!r}")
+        need(self.kda_impl in ("auto", "chunk", "recurrent", "fla"), "kda_impl",
+             f"must be one of auto/chunk/recurrent/fla, got {self.kda_impl!r}")
+        need(self.kda_chunk_size in (16, 32, 64), "kda_chunk_size", f"must be 16, 32 or 64, got {self.kda_chunk_size}")
+
+    # ----------------------------------------------------------------- JSON I/O
+    @classmethod
+    def from_dict(cls, d: dict) -> "K3Config":
+        d = copy.deepcopy(d)
+        wrapper = None
+        if "text_config" in d:  # kimi_k3: multimodal wrapper around a kimi_linear text config
+            wrapper = {k: v for k, v in d.items() if k != "text_config"}
+            text = d["text_config"]
+        else:
+            text = d
+        known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        kwargs: dict[str, Any] = {}
+        for key, value in text.items():
+            if key == "linear_attn_config":
+                for lk, fname in _LINEAR_ATTN_KEYS.items():
+                    if lk in value:
+                        kwargs[fname] = value[lk]
+            elif key in known and key not in _LINEAR_ATTN_KEYS.values():
+                kwargs[key] = value
+        # Absence has meaning for these (SPEC §1 table: "absent" column).
+        for key, absent_value in _ABSENT_MEANS_DEFAULT.items():
+            la = text.get("linear_attn_config", {})
+            present = key in text or key in la
+            if not present:
+                kwargs[key] = absent_value
+        kwargs["wrapper_model_type"] = wrapper.get("model_type") if wrapper else None
+        cfg = cls(**kwargs, _text_source=text, _wrapper_source=wrapper)
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "K3Config":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict:
+        """The config.json dict; lossless for a config that came from a file."""
+        text = copy.deepcopy(self._text_source) if self._text_source is not None else {
+            "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}
+        la = text.setdefault("linear_attn_config", {})
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+
+        def keep_absent(name: str, value) -> bool:
+            # A key missing from the source file stays missing while it holds its "absent" value;
+            # our runtime keys are written only when changed.
+            absent = _ABSENT_MEANS_DEFAULT.get(name, defaults[name])
+            return value == absent and (self._text_source is not None or name in _K3_RUNTIME_KEYS)
+
+        for lk, fname in _LINEAR_ATTN_KEYS.items():
+            if lk not in la and not keep_absent(fname, getattr(self, fname)) or lk in la:
+                la[lk] = getattr(self, fname)
+        for name in defaults:
+            if name.startswith("_") or name == "wrapper_model_type" or name in _LINEAR_ATTN_KEYS.values():
+                continue
+            value = getattr(self, name)
+            if name in text or not keep_absent(name, value):
+                text[name] = value
+        if self.wrapper_model_type is None:
+            return text
+        wrapper = copy.deepcopy(self._wrapper_source) if self._wrapper_source is not None else {
+            "architectures": ["KimiK3ForConditionalGeneration"], "model_type": self.wrapper_model_type,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id, "tie_word_embeddings": self.tie_word_embeddings}
+        out = {}
+        # keep the published key order: text_config sits where it was
+        keys = list(wrapper.keys())
+        if "text_config" not in keys:
+            keys.append("text_config")
+        for k in keys:
+            out[k] = text if k == "text_config" else wrapper[k]
+        return out
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "config.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    def replace(self, **changes) -> "K3Config":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def default_full_attn_layers(num_layers: int) -> list[int]:
+    """K3's schedule (SPEC §2): MLA every 4th layer (1-indexed 4, 8, ...) plus the final layer."""
+    layers = list(range(4, num_layers + 1, 4))
+    if num_layers not in layers:
+        layers.append(num_layers)
+    return layers
+
+
+# --------------------------------------------------------------------- presets
+def _preset_k3() -> K3Config:
+    """The official Kimi K3 text model (SPEC §1); equal to the published config's fields."""
+    return K3Config()
+
+
+def _preset_k3_tiny() -> K3Config:
+    """A few million parameters; trains on a 2-core CPU in minutes. Keeps K3's structure:
+    3:1 KDA:MLA with a final MLA, dense layer 0, AttnRes blocks, latent MoE at d/2, SiTU."""
+    return K3Config(
+        vocab_size=4096, hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=384, attn_res_block_size=2,
+        kda_head_dim=32, kda_num_heads=4,
+        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        num_experts=16, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=96,
+        routed_expert_hidden_size=64, max_position_embeddings=65536,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+def _preset_k3_1b() -> K3Config:
+    """~1.4B total / ~0.3B active, for one GPU: K3's ratios at d=1024 (top-k/E = 2/128 ~ K3's 16/896)."""
+    return K3Config(
+        vocab_size=32768, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=8,
+        intermediate_size=4864, attn_res_block_size=4,
+        kda_head_dim=128, kda_num_heads=8,
+        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_experts=128, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=256,
+        routed_expert_hidden_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+PRESETS = {"k3": _preset_k3, "k3-tiny": _preset_k3_tiny, "k3-1b": _preset_k3_1b}
+
+
+def load_config(name_or_path: str | Path) -> K3Config:
+    """A preset name (k3, k3-tiny, k3-1b), a config.json path, or a directory holding one."""
+    if str(name_or_path) in PRESETS:
+        return PRESETS[str(name_or_path)]()
+    path = Path(name_or_path)
+    if path.exists():
+        return K3Config.from_json(path)
+    raise ConfigError(f"unknown preset or missing config path {str(name_or_path)!r}; presets: {', '.join(PRESETS)}")
