@@ -1,0 +1,35 @@
+"""Normalizations (SPEC §3-5). B batch, T tokens, D width.
+
+RMSNorm computes in fp32 and casts back: the official code does the same, and the MLA latent
+norms' eps (1e-6) differs from everything else (1e-5, `rms_norm_eps`), so eps is always explicit.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (the AttnRes key normalization, SPEC §5)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (KDA q/k, SPEC §3)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
