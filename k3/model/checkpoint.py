@@ -1,0 +1,141 @@
+"""HF-layout checkpoints: config.json + sharded safetensors + model.safetensors.index.json, with the
+official tensor names (SPEC §1: K3 `language_model.model.layers.{i}...`, Kimi Linear
+`model.layers.{i}...`). Our module names ARE the official names, so the table is one prefix; the
+renames and fusions that `transformers` applies when it writes Kimi-Linear checkpoints live in one
+place, k3/model/hf_transformers.py. Safetensors only: nothing is ever unpickled.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from k3.config import K3Config
+
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 4 * 1024**3
+
+
+def state_dict_to_official(model) -> dict[str, torch.Tensor]:
+    """Our state dict under the official names (tied lm_head dropped: safetensors stores no aliases)."""
+    prefix = model.config.checkpoint_prefix
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        out[prefix + name] = tensor
+    return out
+
+
+def official_to_state_dict(config: K3Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Official (or transformers-written) names -> our state-dict names."""
+    from k3.model.hf_transformers import from_transformers_layout, is_transformers_layout
+
+    if is_transformers_layout(tensors):
+        tensors = from_transformers_layout(config, tensors)
+    prefix = config.checkpoint_prefix
+    out = {}
+    for name, tensor in tensors.items():
+        if prefix and not name.startswith(prefix):
+            if name.startswith(("vision_tower.", "mm_projector.")):
+                continue  # the vision encoder is not part of the text model
+            raise KeyError(f"tensor {name!r} lacks the expected prefix {prefix!r}")
+        out[name[len(prefix):]] = tensor
+    if config.tie_word_embeddings and "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    tensors: dict[str, torch.Tensor] | None = None, config_dict: dict | None = None) -> Path:
+    """Write config.json, shards and the index. Each file goes through temp + rename and the index is
+    written last, so a reader that finds the index finds every shard whole.
+    `tensors` / `config_dict` override what is written (used by the MXFP4 exporter)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict_to_official(model) if tensors is None else tensors
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().to("cpu").contiguous()
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_atomic(directory / fname, lambda p, s=shard: save_file(s, str(p), metadata={"format": "pt"}))
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    config_dict = model.config.to_dict() if config_dict is None else config_dict
+    _write_atomic(directory / "config.json", lambda p: p.write_text(json.dumps(config_dict, indent=2) + "\n"))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_atomic(directory / INDEX_NAME, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
+    return directory
+
+
+def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF-layout directory (indexed shards or a single model.safetensors)."""
+    directory = Path(directory)
+    index = directory / INDEX_NAME
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no {INDEX_NAME} or model.safetensors in {directory}")
+    tensors = {}
+    for fname in files:
+        with safe_open(str(directory / fname), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | None = None,
+                    config: K3Config | None = None):
+    """Build a K3ForCausalLM from an HF-layout directory (ours, the official layout, or one written
+    by transformers' KimiLinearForCausalLM). Every parameter must be present: missing or unexpected
+    tensors are an error naming them."""
+    from k3.model.transformer import K3ForCausalLM
+
+    directory = Path(directory)
+    config = K3Config.from_json(directory / "config.json") if config is None else config
+    tensors = official_to_state_dict(config, read_safetensors(directory))
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - set(tensors), set(tensors) - expected
+    if missing or unexpected:
+        raise KeyError(f"checkpoint {directory} does not match the config: missing {sorted(missing)[:8]}"
+                       f"{' ...' if len(missing) > 8 else ''}, unexpected {sorted(unexpected)[:8]}"
+                       f"{' ...' if len(unexpected) > 8 else ''}")
+    state = {}
+    for name, ref in model.state_dict().items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(ref.shape)}")
+        # fp32-by-SPEC tensors (A_log, dt_bias, router bias) stay fp32 whatever `dtype` asks
+        target = t.dtype if dtype is None else (torch.float32 if _keeps_fp32(name) else dtype)
+        state[name] = t.to(device=device, dtype=target)
+    model.load_state_dict(state, assign=True, strict=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _keeps_fp32(name: str) -> bool:
+    return name.endswith(("A_log", "dt_bias", "e_score_correction_bias"))

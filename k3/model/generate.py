@@ -1,0 +1,71 @@
+"""Simple batched generation on top of the model's cache: packed prefill, then one token per
+sequence per step (no padding anywhere: sequences of different lengths are packed with cu_seqlens).
+The serving engine (k3/serve) is the scalable path; this one is the readable reference it must
+match token for token under greedy decoding.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from k3.model.cache import K3Cache
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [N, V] -> token ids [N]. temperature 0 = greedy; top-k then top-p (nucleus) filtering."""
+    if temperature <= 0.0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, eos_token_id: int | None = None, seed: int | None = None,
+             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+    """Continue each prompt; returns the new tokens of each (stopping at eos, which is kept)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, each with at least one token")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    cache = K3Cache.empty(model.config, len(prompts), device=device, dtype=dtype)
+    ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
+    cu = torch.tensor([0] + [len(p) for p in prompts], device=device).cumsum(0)
+    logits = model(ids, cu_seqlens=cu, cache=cache)[0, cu[1:] - 1]  # last position of each prompt
+    outputs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))  # prompt index of each row of the cache
+    for _ in range(max_new_tokens):
+        tokens = sample_next(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+        still = []
+        for row, seq in enumerate(active):
+            token = int(tokens[row])
+            outputs[seq].append(token)
+            if on_token is not None:
+                on_token(seq, token)
+            if token != eos_token_id and len(outputs[seq]) < max_new_tokens:
+                still.append(row)
+        if not still:
+            break
+        if len(still) < len(active):
+            cache = cache.select(still)
+            tokens = tokens[still]
+            active = [active[r] for r in still]
+        step = torch.arange(len(active) + 1, device=device)
+        logits = model(tokens[None], cu_seqlens=step, cache=cache)[0]
+    return outputs

@@ -1,0 +1,160 @@
+"""The K3 text model: decoder layers, Block AttnRes bookkeeping, the LM head (SPEC §2, §5).
+
+Legend: B batch, T tokens, D hidden, V vocab. Module and parameter names are the official
+checkpoint's (`model.layers.{i}.self_attn...`, `model.output_attn_res_proj`, `lm_head`), so the
+checkpoint table in k3/model/checkpoint.py is a prefix, not a rename of every tensor.
+
+Sequences travel either as a uniform batch [B, T] or packed into one row with `cu_seqlens`
+(documents never share state). Padded batches (`attention_mask`) are unpadded into the packed
+form and padded back, so no layer ever sees a pad token: left and right padding are the same.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.attnres import BlockSource, attn_res_read, new_attn_res_pair
+from k3.model.cache import K3Cache
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+from k3.model.moe import StableLatentMoE
+from k3.model.norm import RMSNorm
+from k3.model.situ import DenseMLP
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.is_mla = config.is_mla_layer(layer_idx)
+        self.self_attn = GatedMLA(config, layer_idx) if self.is_mla else KimiDeltaAttention(config, layer_idx)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = StableLatentMoE(config)
+        else:
+            self.mlp = DenseMLP(config, config.intermediate_size)
+        if config.attn_res_block_size is not None:
+            self.self_attention_res_proj, self.self_attention_res_norm = new_attn_res_pair(D, eps)
+            self.mlp_res_proj, self.mlp_res_norm = new_attn_res_pair(D, eps)
+
+    def mixer(self, h: torch.Tensor, cu_seqlens, state) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=state)
+
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.post_attention_layernorm(h)
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+    def forward_residual(self, h: torch.Tensor, cu_seqlens=None, state=None) -> torch.Tensor:
+        """Plain pre-norm residual (no `attn_res_block_size`)."""
+        h = h + self.mixer(h, cu_seqlens, state)
+        return h + self.ffn(h)
+
+    def forward_attn_res(self, prefix: torch.Tensor, blocks: list[BlockSource], cu_seqlens=None, state=None):
+        """Block AttnRes bookkeeping of SPEC §5 for one layer; returns the new running `prefix`
+        (the partial sum of the current block) and mutates `blocks` when a block starts."""
+        h = prefix if not blocks else attn_res_read(prefix, blocks, self.self_attention_res_proj,
+                                                     self.self_attention_res_norm)
+        a = self.mixer(h, cu_seqlens, state)
+        if self.layer_idx % self.config.attn_res_block_size == 0:  # this layer opens a new block
+            blocks.append(BlockSource(prefix, self.config.rms_norm_eps))
+            prefix = a
+        else:
+            prefix = prefix + a
+        h = attn_res_read(prefix, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        return prefix + self.ffn(h)
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_proj, self.output_attn_res_norm = new_attn_res_pair(config.hidden_size,
+                                                                                     config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens=None, cache: K3Cache | None = None) -> torch.Tensor:
+        """[B, T] -> final hidden states [B, T, D] (after the last norm)."""
+        h = self.embed_tokens(input_ids)
+        states = cache.layers if cache is not None else [None] * len(self.layers)
+        if self.config.attn_res_block_size is None:
+            for layer, state in zip(self.layers, states):
+                h = layer.forward_residual(h, cu_seqlens, state)
+        else:
+            blocks: list[BlockSource] = []
+            for layer, state in zip(self.layers, states):
+                h = layer.forward_attn_res(h, blocks, cu_seqlens, state)
+            h = attn_res_read(h, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
+        return self.norm(h)
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, initializer_range) for matrices and embeddings, ones for norms, each mixer's
+        and MoE's own rules for their special parameters; AttnRes pseudo-queries stay ZERO so every
+        read starts as the uniform average (SPEC §5)."""
+        std = self.config.initializer_range
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if name.endswith("_res_proj"):
+                    nn.init.zeros_(module.weight)
+                else:
+                    nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        for module in self.modules():
+            if isinstance(module, (KimiDeltaAttention, StableLatentMoE)):
+                module.reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] in fp32.
+
+        cu_seqlens [N+1] (B == 1): packed documents. cache: N sequences continued in place
+        (N = B, or len(cu_seqlens) - 1). attention_mask [B, T] (1 = token): padded rows; pad
+        positions get zero logits."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None:
+            if cu_seqlens is not None:
+                raise ValueError("pass either attention_mask (padded rows) or cu_seqlens (packed rows), not both")
+            return self._forward_padded(input_ids, attention_mask, cache)
+        if cu_seqlens is not None and input_ids.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs a single packed row, got batch {input_ids.shape[0]}")
+        num_seqs = input_ids.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        if cache is not None and cache.num_seqs != num_seqs:
+            raise ValueError(f"cache holds {cache.num_seqs} sequences, the batch has {num_seqs}")
+        logits = self.lm_head(self.model(input_ids, cu_seqlens, cache)).float()
+        if cache is not None:
+            lengths = (cu_seqlens.diff().cpu() if cu_seqlens is not None
+                       else torch.full((num_seqs,), input_ids.shape[1], dtype=torch.long))
+            cache.lengths += lengths
+        return logits
+
+    def _forward_padded(self, input_ids, attention_mask, cache):
+        keep = attention_mask.bool()
+        lengths = keep.sum(1)
+        if (lengths == 0).any():
+            raise ValueError("every row of attention_mask needs at least one real token")
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.long, device=input_ids.device)
+        cu[1:] = lengths.cumsum(0)
+        packed = self.forward(input_ids[keep][None], cu_seqlens=cu, cache=cache)[0]
+        logits = packed.new_zeros(*input_ids.shape, packed.shape[-1])
+        logits[keep] = packed
+        return logits
