@@ -1,0 +1,69 @@
+"""Kimi Delta Attention ops (SPEC §3): one entry point, three interchangeable backends.
+
+    kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, impl, chunk_size)
+
+Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same function:
+- "recurrent": token-by-token fp32 reference (`reference.py`); the CPU decode path (T == 1).
+- "chunk":     chunkwise parallel plain torch (`chunk.py`); the CPU training/prefill path.
+- "fla":       fla's Triton kernels on CUDA (`fla_backend.py`).
+"auto" picks fla on CUDA when it imports, else recurrent when every sequence is one token long,
+else chunk; it logs each choice once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from k3.ops.kda import fla_backend
+from k3.ops.kda.chunk import kda_chunk
+from k3.ops.kda.reference import kda_recurrent
+
+logger = logging.getLogger(__name__)
+
+IMPLS = ("auto", "chunk", "recurrent", "fla")
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    impl: str = "auto",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
+    if impl not in IMPLS:
+        raise ValueError(f"kda: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = _auto_impl(q, cu_seqlens)
+        _announce(impl, q.device.type)
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens)
+    if impl == "recurrent":
+        return kda_recurrent(q, k, v, g, beta, **common)
+    if impl == "chunk":
+        return kda_chunk(q, k, v, g, beta, **common, chunk_size=chunk_size)
+    return fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size)
+
+
+def _auto_impl(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:
+    if q.is_cuda and fla_backend.is_available():
+        return "fla"
+    longest = q.shape[1] if cu_seqlens is None else int(cu_seqlens.diff().max())
+    return "recurrent" if longest == 1 else "chunk"
+
+
+@functools.cache
+def _announce(impl: str, device: str) -> None:
+    logger.info("ops.kda: %s (%s)", impl, device)
+
+
+__all__ = ["kda", "kda_chunk", "kda_recurrent", "IMPLS"]

@@ -1,0 +1,140 @@
+"""Kimi Delta Attention layer (SPEC §3): the linear-attention mixer of the KDA layers.
+
+B batch, T tokens, D hidden, H heads, K head dim (= value dim), C = H*K, W conv width,
+N sequences (B, or len(cu_seqlens) - 1 when packed).
+
+Parameter names and shapes are the official checkpoint's (SPEC §3). Checked against
+transformers 5.24 `models/kimi_linear/modeling_kimi_linear.py` (KimiLinearDeltaAttention,
+KimiLinearForgetGate, KimiLinearRMSNormGated), vLLM `model_executor/layers/kda.py` (Kimi Linear)
+and vLLM `models/kimi_k3/nvidia/kda.py` (K3); they agree with SPEC §3 on:
+- q/k/v = SiLU(depthwise causal conv(proj x)), q/k L2-normalized over the head dim with eps 1e-6
+  (fla's `l2norm`: x / sqrt(sum x^2 + eps)), scale K^-1/2, beta = sigmoid(b_proj x);
+- forget gate z = f_b(f_a(x)) + dt_bias in fp32; Kimi Linear g = -exp(A_log) * softplus(z);
+  K3 (gate_lower_bound lb) g = lb * sigmoid(exp(A_log) * z) (same form as fla's `lower_bound`
+  option and transformers' Glm5NextTextForgetGate);
+- output: o_proj(RMSNorm_head(o) * weight * sigmoid(gate)) in fp32, norm eps = rms_norm_eps,
+  gate = g_proj(x) (K3, `use_full_rank_gate`) or g_b(g_a(x)) (Kimi Linear).
+The checkpoints keep three convs (q_conv1d, k_conv1d, v_conv1d); transformers fuses them into one
+`conv1d` at load time, we keep the official names and concatenate weights at run time instead.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.cache import KDAState
+from k3.model.norm import RMSNorm, l2_normalize
+from k3.ops.conv import causal_conv1d
+from k3.ops.kda import kda
+
+
+def a_log_shape(config: K3Config) -> tuple[int, ...]:
+    """A_log in the official checkpoint shape of each family.
+    Kimi Linear stores [1, 1, H, 1] (transformers KimiLinearForgetGate, vLLM layers/kda.py);
+    K3 stores [H] (vLLM kimi_k3 `a_log_weight_loader`: "current 1D", 4-D is the old layout;
+    SPEC §12.3). The lower-bounded gate is what tells the families apart in the config."""
+    H = config.kda_num_heads
+    return (H,) if config.gate_lower_bound is not None else (1, 1, H, 1)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D, H, K, W = config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
+        self.num_heads, self.head_dim, self.conv_width = H, K, W
+        C = H * K
+        self.q_proj = nn.Linear(D, C, bias=False)
+        self.k_proj = nn.Linear(D, C, bias=False)
+        self.v_proj = nn.Linear(D, C, bias=False)
+        # Depthwise short convs, nn.Conv1d only as the holder of the official [C, 1, W] weight:
+        # the op (k3.ops.conv) runs them causally with carried tails.
+        self.q_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
+        self.k_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
+        self.v_conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, C, bias=False)
+        self.A_log = nn.Parameter(torch.empty(a_log_shape(config), dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(C, dtype=torch.float32))
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(D, C, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, C, bias=False)
+        self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(C, D, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for module in self.modules():
+            # transformers' PreTrainedModel._init_weights draws Linear and Conv1d weights alike.
+            if isinstance(module, (nn.Linear, nn.Conv1d)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        self.o_norm.reset_parameters()
+        # A_log: 0 (decay rate 1) under the lower-bounded gate, log U(1, 16) under softplus — as
+        # fla / transformers Glm5Next and KimiLinear `_init_weights` do (SPEC §12.3).
+        if self.config.gate_lower_bound is not None:
+            nn.init.zeros_(self.A_log)
+        else:
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        # dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Mamba/fla initialization).
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> log-decay g [B, T, H, K] in fp32, g < 0."""
+        H, K = self.num_heads, self.head_dim
+        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        z = z.unflatten(-1, (H, K))
+        rate = self.A_log.float().reshape(H, 1).exp()
+        lb = self.config.gate_lower_bound
+        if lb is not None:
+            return lb * torch.sigmoid(rate * z)
+        return -rate * F.softplus(z)
+
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                state: KDAState | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. With `state`, continue its N sequences and write the new conv
+        tails and recurrent state back into it (attribute assignment, so autograd stays intact)."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        if state is not None:
+            self._check_state(state, N)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3C]
+        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        qkv, tails = causal_conv1d(qkv, conv_weight, initial_state=None if state is None else state.conv,
+                                   cu_seqlens=cu_seqlens, output_final_state=state is not None)
+        q, k, v = F.silu(qkv).unflatten(-1, (3, H, K)).unbind(dim=2)  # each [B, T, H, K]
+        q, k = l2_normalize(q.float(), eps=1e-6), l2_normalize(k.float(), eps=1e-6)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        g = self.forget_gate(x)
+        o, final_state = kda(q, k, v, g, beta, scale=K ** -0.5,
+                             initial_state=None if state is None else state.recurrent,
+                             output_final_state=state is not None, cu_seqlens=cu_seqlens,
+                             impl=self.config.kda_impl, chunk_size=self.config.kda_chunk_size)
+        if state is not None:
+            state.conv = tails.to(state.conv.dtype)
+            state.recurrent = final_state
+        gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        # Official order: normalize, multiply the norm weight, then the sigmoid gate, all in fp32.
+        o = self.o_norm(o.float()) * torch.sigmoid(gate.float().unflatten(-1, (H, K)))
+        return self.o_proj(o.flatten(-2).to(x.dtype))
+
+    def _check_state(self, state: KDAState, num_seqs: int) -> None:
+        H, K, W = self.num_heads, self.head_dim, self.conv_width
+        want_conv, want_rec = (num_seqs, 3 * H * K, W - 1), (num_seqs, H, K, K)
+        if tuple(state.conv.shape) != want_conv:
+            raise ValueError(f"KDA layer {self.layer_idx}: state.conv must be {list(want_conv)} "
+                             f"(N, 3*H*K, W-1), got {list(state.conv.shape)}")
+        if tuple(state.recurrent.shape) != want_rec:
+            raise ValueError(f"KDA layer {self.layer_idx}: state.recurrent must be {list(want_rec)} "
+                             f"(N, H, K, V), got {list(state.recurrent.shape)}")

@@ -1,0 +1,72 @@
+"""KDA on CUDA through flash-linear-attention's Triton kernels (fla-core 0.6.0), imported lazily.
+
+Same contract as the reference (`k3.ops.kda.inputs`), so the layer never knows which path ran.
+fla 0.6.0 options chosen to compute exactly our reference math (checked against
+fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
+- `g` arrives already activated (the layer computes the K3 lower-bounded or the Kimi-Linear
+  softplus gate in fp32), so `use_gate_in_kernel=False` and `safe_gate=False`: no in-kernel gate,
+  which also keeps clear of fla issue #1240 (prefix outputs depending on future gates with the
+  in-kernel safe gate, SPEC §3). q/k arrive L2-normalized: `use_qk_l2norm_in_kernel=False`;
+  beta arrives post-sigmoid: `use_beta_sigmoid_in_kernel=False`.
+- state layout: fla's default key-first [N, H, K, V] (`state_v_first=False`), fp32 as fla asserts.
+- `cu_seqlens` is fla's (FlashAttention) convention, the same as ours.
+- chunk_kda accepts chunk sizes 32 and 64 only; a smaller requested chunk runs at 64 (the chunk
+  size changes rounding, not the math).
+- decode (every sequence one token long, no gradient needed) uses `fused_recurrent_kda`, which is
+  forward-only; everything else uses `chunk_kda`, which has autograd.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FLA_CHUNK_SIZES = (32, 64)
+
+
+@functools.cache
+def is_available() -> bool:
+    """fla's KDA kernels import only where triton does (never on our CPU machines)."""
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kda_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not q.is_cuda:
+        raise ValueError(f"kda impl 'fla' runs on CUDA tensors only, got device {q.device}")
+    if not is_available():
+        raise RuntimeError("kda impl 'fla' needs fla-core with triton (pip install 'k3[cuda]'); "
+                           "use impl='chunk' or 'auto' instead")
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    # fla's kernels take one activation dtype for q/k/v/beta; g and the state stay fp32.
+    dtype = v.dtype
+    q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.float()
+    if initial_state is not None:
+        initial_state = initial_state.float().contiguous()
+    longest = q.shape[1] if cu_seqlens is None else int(cu_seqlens.diff().max())
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, g, beta, initial_state) if t is not None)
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens)
+    if longest == 1 and not needs_grad:
+        o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
+    else:
+        o, state = chunk_kda(q, k, v, g, beta, **common,
+                             chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
+    return o, state if output_final_state else None

@@ -1,0 +1,50 @@
+"""Packed variable-length batches: FlashAttention's `cu_seqlens` convention.
+
+N sequences lie end to end along T of a [1, T, ...] tensor; `cu_seqlens` (int64 [N+1]) holds
+their boundaries, 0 = cu[0] <= cu[1] <= ... <= cu[N] = T. An op that takes `cu_seqlens` treats
+every sequence as if it ran alone: no token ever sees another sequence's tokens or state.
+
+The CPU ops turn a packed batch into a zero-padded [N, T_max, ...] one (`unpack`) and back
+(`pack`). Zero padding at the END of a sequence is inert for KDA (g = 0: no decay, beta = 0: no
+write) and for the causal conv (outputs past the end are dropped, tails are gathered at each
+sequence's real end), so padded positions never change a real output or a final state.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, tokens: int) -> int:
+    """Validate `cu_seqlens` for a [batch, tokens, ...] input; returns N, the number of sequences."""
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences along T and needs batch size 1, got B={batch}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be an integer tensor (int64), got {cu_seqlens.dtype}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={tokens}, got {bounds[0]}..{bounds[-1]}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return len(bounds) - 1
+
+
+def seq_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    return cu_seqlens.diff().tolist()
+
+
+def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> torch.Tensor:
+    """[1, T, ...] packed -> [N, T_pad, ...] zero-padded, T_pad = max length rounded up to `multiple`."""
+    lengths = seq_lengths(cu_seqlens)
+    padded = pad_sequence(list(x[0].split(lengths)), batch_first=True)
+    extra = -padded.shape[1] % multiple
+    if extra:
+        padded = torch.cat([padded, padded.new_zeros(padded.shape[0], extra, *padded.shape[2:])], dim=1)
+    return padded
+
+
+def pack(y: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[N, T_pad, ...] -> [1, T, ...]: the inverse of `unpack` (padding dropped)."""
+    return torch.cat([y[n, :length] for n, length in enumerate(seq_lengths(cu_seqlens))]).unsqueeze(0)
