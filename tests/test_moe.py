@@ -177,3 +177,16 @@ def test_bad_input_is_a_clear_error():
         moe(torch.randn(2, 3, D + 1))
     with pytest.raises(ValueError, match="num_experts"):
         StableLatentMoE(latent_config(num_experts=0))
+
+
+def test_reset_parameters_restores_init():
+    cfg = latent_config(num_experts=64)
+    moe = randomized(StableLatentMoE(cfg))
+    moe.reset_parameters()
+    assert not moe.gate.e_score_correction_bias.any()
+    assert torch.equal(moe.routed_expert_norm.weight, torch.ones(16))
+    for name in ("gate.weight", "routed_expert_down_proj.weight", "shared_experts.up_proj.weight"):
+        std = moe.get_parameter(name).std().item()
+        assert abs(std - cfg.initializer_range) < 0.15 * cfg.initializer_range, (name, std)
+    w1 = torch.stack([e.w1.weight for e in moe.experts])
+    assert abs(w1.std().item() - cfg.initializer_range) < 0.05 * cfg.initializer_range

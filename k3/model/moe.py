@@ -115,10 +115,24 @@ class StableLatentMoE(nn.Module):
             self.routed_expert_down_proj = nn.Linear(config.hidden_size, width, bias=False)
             self.routed_expert_norm = RMSNorm(width, config.rms_norm_eps) if config.latent_moe_use_norm else None
             self.routed_expert_up_proj = nn.Linear(width, config.hidden_size, bias=False)
-            for proj in (self.routed_expert_down_proj, self.routed_expert_up_proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=config.initializer_range)
         self.shared_experts = (DenseMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts, config)
                                if config.num_shared_experts > 0 else None)
+        self.init_std = config.initializer_range
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, initializer_range) for every matrix, zero selection bias, ones for the norm."""
+        self.gate.reset_parameters()
+        for expert in self.experts:
+            expert.reset_parameters()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
+        if self.is_latent:
+            for proj in (self.routed_expert_down_proj, self.routed_expert_up_proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=self.init_std)
+            if self.routed_expert_norm is not None:
+                self.routed_expert_norm.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] (or any [..., D]) -> y, same shape and dtype."""
