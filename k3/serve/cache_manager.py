@@ -1,0 +1,174 @@
+"""Per-request page bookkeeping on top of the pool and the prefix cache (ids only, no tensors).
+
+Each running request owns:
+- an MLA page table (shared full pages from a hit plus its own pages; refs held);
+- a private KDA state: one snapshot's worth of pages per KDA layer, never shared, never cached;
+- for the current step only: pinned hit sources waiting to be copied, and checkpoint pages being
+  written at a boundary.
+Every tensor operation this implies is returned as a plan of page copies / page zeroing that
+the runner executes (copies before the forward, checkpoint saves after it).
+
+Admission order matters (SPEC §11): the hit's pages are pinned BEFORE anything is allocated, so
+allocating the request's own pages can never evict the prefix it is about to reuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k3.serve.block_pool import BlockPool
+from k3.serve.page_layout import PageLayout
+from k3.serve.prefix_cache import LookupResult, PrefixCache, extend_block_hashes
+from k3.serve.request import Request
+
+
+@dataclass
+class PagePlan:
+    """Page operations for one step, in execution order."""
+    zero: list[int] = field(default_factory=list)  # fresh private state pages (a miss starts from zeros)
+    copy_before: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): hit -> private
+    copy_after: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): private -> checkpoint
+
+
+@dataclass
+class RequestPages:
+    page_table: list[int] = field(default_factory=list)
+    state: list[list[int]] = field(default_factory=list)  # per KDA layer
+    pinned: list[int] = field(default_factory=list)  # hit sources, released after this step's copies
+    checkpoint: tuple[int, list[list[int]]] | None = None  # (boundary, pages) written this step
+    num_cached_blocks: int = 0  # full hash blocks already inserted into the prefix cache
+
+
+class CacheManager:
+    def __init__(self, layout: PageLayout, num_pages: int, *, hash_block_size: int = 64,
+                 enable_prefix_caching: bool = True):
+        self.layout = layout
+        self.pool = BlockPool(num_pages)
+        self.prefix = PrefixCache(self.pool, layout, hash_block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.requests: dict[str, RequestPages] = {}
+
+    @property
+    def stats(self):
+        return self.prefix.stats
+
+    def max_tokens_per_request(self) -> int:
+        """The longest sequence that fits in an otherwise empty pool (private state + one checkpoint)."""
+        spare = self.pool.num_pages - 2 * self.layout.pages_per_state
+        return spare * self.layout.block_size if self.layout.num_mla_layers else (1 << 62)
+
+    # ------------------------------------------------------------------ admission
+    def lookup(self, request: Request) -> LookupResult:
+        tokens = request.all_token_ids
+        limit = len(tokens) - 1  # keep one token to compute: its logits pick the next token
+        if not self.enable_prefix_caching:
+            return LookupResult(0, [], None, 0, "disabled")
+        if limit < 1:
+            return LookupResult(0, [], None, 0, "too_short")
+        hashes = extend_block_hashes(request.block_hashes, tokens, self.prefix.hash_block_size)
+        return self.prefix.lookup(tokens, hashes, limit)
+
+    def admit(self, request: Request, hit: LookupResult, num_new_tokens: int, plan: PagePlan) -> bool:
+        """Give `request` its pages for the hit plus `num_new_tokens`; False (nothing held) when
+        the pool cannot. Sets request.num_computed_tokens to the hit length."""
+        L, P = self.layout, self.layout.block_size
+        shared = hit.length // P  # full pages reused in place
+        cow = len(hit.page_table) > shared  # the hit ends inside a page: copy it (it is not ours)
+        snapshot_pages = [p for snap in hit.kda_pages or () for p in snap]
+        self.pool.pin(hit.page_table + snapshot_pages)  # before any allocation
+        need = L.pages_per_state + L.mla_pages_for(hit.length + num_new_tokens) - shared
+        if need > self.pool.num_free:
+            self.pool.release(list(reversed(hit.page_table + snapshot_pages)))
+            return False
+        state = [self.pool.allocate(L.pages_per_snapshot) for _ in range(L.num_kda_layers)]
+        table = hit.page_table[:shared]
+        pinned = snapshot_pages + hit.page_table[shared:]
+        if cow:
+            table += self.pool.allocate(1)
+            plan.copy_before.append((hit.page_table[shared], table[-1]))
+        table += self.pool.allocate(L.mla_pages_for(hit.length + num_new_tokens) - len(table))
+        if hit.kda_pages is not None:
+            plan.copy_before += [(s, d) for src, dst in zip(hit.kda_pages, state) for s, d in zip(src, dst)]
+        else:
+            plan.zero += [p for snap in state for p in snap]
+        self.requests[request.request_id] = RequestPages(
+            table, state, pinned, None, hit.length // self.prefix.hash_block_size)
+        request.num_computed_tokens = hit.length
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit.length
+        if self.enable_prefix_caching:
+            self.prefix.record(hit, len(request.all_token_ids), request.request_id)
+        return True
+
+    def grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more MLA rows; False (nothing allocated) when the pool is full."""
+        pages = self.requests[request.request_id]
+        need = self.layout.mla_pages_for(request.num_computed_tokens + num_new_tokens) - len(pages.page_table)
+        if need > self.pool.num_free:
+            return False
+        pages.page_table += self.pool.allocate(max(need, 0))
+        return True
+
+    def checkpoint_positions(self, request: Request, hit: LookupResult, boundaries: tuple[int, ...]) -> list[int]:
+        """Where to save KDA checkpoints while computing this request: the prompt end (minus the
+        one token a resend recomputes), chat-turn boundaries, and the shared-prefix junction (the
+        end of the MLA match when no checkpoint existed there), never every block."""
+        if not self.enable_prefix_caching or not self.layout.num_kda_layers:
+            return []
+        points = set(boundaries) | {request.num_prompt_tokens - 1}
+        if hit.mla_match > hit.length:
+            points.add(hit.mla_match)
+        return sorted(p for p in points if hit.length < p < request.num_tokens)
+
+    def plan_checkpoint(self, request: Request, boundary: int, plan: PagePlan) -> bool:
+        """Reserve pages to snapshot the private state at `boundary` after this step's forward."""
+        need = self.layout.pages_per_state
+        if need > self.pool.num_free:
+            self.stats.checkpoints_skipped += 1
+            return False
+        pages = self.requests[request.request_id]
+        snap = [self.pool.allocate(self.layout.pages_per_snapshot) for _ in range(self.layout.num_kda_layers)]
+        plan.copy_after += [(s, d) for src, dst in zip(pages.state, snap) for s, d in zip(src, dst)]
+        pages.checkpoint = (boundary, snap)
+        return True
+
+    # ------------------------------------------------------------------ after a step
+    def commit(self, request: Request) -> None:
+        """The step ran: cache the newly completed hash blocks and any checkpoint, drop pins."""
+        pages = self.requests[request.request_id]
+        tokens = request.all_token_ids
+        computed = request.num_computed_tokens
+        H = self.prefix.hash_block_size
+        if self.enable_prefix_caching:
+            extend_block_hashes(request.block_hashes, tokens, H)
+            for k in range(pages.num_cached_blocks, computed // H):
+                self.prefix.insert(tokens, request.block_hashes, (k + 1) * H, pages.page_table)
+            pages.num_cached_blocks = max(pages.num_cached_blocks, computed // H)
+        if pages.checkpoint is not None:
+            boundary, snap = pages.checkpoint
+            if boundary != computed:
+                raise RuntimeError(f"checkpoint planned at {boundary}, request computed {computed}")
+            self.prefix.insert(tokens, request.block_hashes, boundary, pages.page_table, snap)
+            self.pool.release([p for s in snap for p in s])  # adopted: cached at the tail; else head
+            pages.checkpoint = None
+        self.pool.release(pages.pinned)
+        pages.pinned = []
+
+    def free(self, request: Request) -> None:
+        """Release everything the request holds (finish, abort, preemption)."""
+        pages = self.requests.pop(request.request_id, None)
+        if pages is None:
+            return
+        held = pages.pinned + [p for s in pages.state for p in s]
+        if pages.checkpoint is not None:
+            held += [p for s in pages.checkpoint[1] for p in s]
+        self.pool.release(held)
+        self.pool.release(list(reversed(pages.page_table)))  # tail pages evicted first
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def page_table(self, request_id: str) -> list[int]:
+        return self.requests[request_id].page_table
+
+    def state_pages(self, request_id: str) -> list[list[int]]:
+        return self.requests[request_id].state

@@ -1,0 +1,262 @@
+"""The engine: a step loop over scheduler -> runner -> scheduler, and its asyncio front.
+
+`LLMEngine` is synchronous and thread-safe: `add_request` / `abort` may come from any thread;
+`step` runs the scheduler under a lock, the forward without it, then the bookkeeping under it
+again, so a request can be added while the model computes. Aborts are queued and applied at the
+start of the next step (never while the runner is using the request's pages).
+
+`AsyncEngine` runs `step` on one background thread and hands each request's outputs to its
+asyncio consumer; when the consumer goes away (client disconnect, cancellation) the request is
+aborted and its pages are freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from tokenizers import Tokenizer
+
+from k3.serve.cache_manager import CacheManager
+from k3.serve.detokenizer import IncrementalDetokenizer
+from k3.serve.page_layout import PageLayout
+from k3.serve.request import Request, RequestStatus
+from k3.serve.runner import ModelRunner
+from k3.serve.sampling import SampledToken, SamplingParams
+from k3.serve.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16  # tokens per MLA page (physical block)
+    hash_block_size: int = 64  # prefix-hash granularity, independent of the page
+    cache_bytes: int = 64 << 20  # size of the page pool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256  # per-step token budget (chunked prefill)
+    max_model_len: int = 4096
+    max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
+    enable_prefix_caching: bool = True
+    seed: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_tokens: list[SampledToken]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """Timings the metrics endpoint exports (seconds); filled as requests progress."""
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model = model.eval()
+        dtype = next(model.parameters()).dtype
+        self.layout = PageLayout.from_config(model.config, config.block_size, dtype)
+        num_pages = config.cache_bytes // self.layout.page_bytes
+        self.cache = CacheManager(self.layout, num_pages, hash_block_size=config.hash_block_size,
+                                  enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=min(config.max_model_len, model.config.max_position_embeddings),
+                                   max_waiting=config.max_waiting)
+        self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed)
+        self.eos_token_id = model.config.eos_token_id
+        self._lock = threading.Lock()
+        self._aborts: list[tuple[str, RequestStatus]] = []
+        self._ids = itertools.count()
+        self._timing: dict[str, float] = {}  # request id -> arrival, then last token time
+        self.stats = EngineStats()
+        log.info("engine: %d pages of %d bytes (%d tokens each; KDA state %d pages), hash block %d, prefix cache %s",
+                 num_pages, self.layout.page_bytes, config.block_size, self.layout.pages_per_state,
+                 config.hash_block_size, "on" if config.enable_prefix_caching else "off")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    boundaries: tuple[int, ...] = (), eos_token_id: int | None = None) -> Request:
+        """Queue a request; raises ValueError (bad input) or QueueFullError."""
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
+                          eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
+                          boundaries=tuple(boundaries))
+        with self._lock:
+            self.scheduler.add_request(request)
+            self._timing[request.request_id] = time.monotonic()
+        return request
+
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        with self._lock:
+            self._aborts.append((request_id, status))
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._aborts)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        with self._lock:
+            for rid, status in self._aborts:
+                request = self.scheduler.finish(rid, status)
+                if request is not None:
+                    outputs.append(self._output(request, []))
+            self._aborts.clear()
+            out = self.scheduler.schedule()
+            params = {r.request_id: self.scheduler.requests[r.request_id].sampling for r in out.requests}
+        sampled = self.runner.execute(out, params)
+        now = time.monotonic()
+        with self._lock:
+            changed = self.scheduler.update(out, sampled)
+            for request in changed:
+                outputs.append(self._output(request, [sampled[request.request_id]]))
+                self._time(request, now)
+        return outputs
+
+    def _time(self, request: Request, now: float) -> None:
+        last = self._timing.get(request.request_id)
+        if last is not None:
+            (self.stats.ttft if len(request.output_token_ids) == 1 else self.stats.itl).append(now - last)
+        self.stats.generation_tokens += 1
+        if len(request.output_token_ids) == 1:
+            self.stats.prompt_tokens += request.num_prompt_tokens
+        self._timing[request.request_id] = now
+        if request.status.finished:
+            self._timing.pop(request.request_id, None)
+
+    def _output(self, request: Request, new: list[SampledToken]) -> RequestOutput:
+        if request.status.finished:
+            self.runner.sampler.forget(request.request_id)
+            self._timing.pop(request.request_id, None)
+        return RequestOutput(request.request_id, new, request.status.finished, request.finish_reason,
+                             request.num_prompt_tokens, request.num_cached_tokens or 0,
+                             len(request.output_token_ids))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion (a convenience for tests, benchmarks and the terminal chat)."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for o in self.step():
+                if o.request_id in tokens:
+                    tokens[o.request_id] += [t.token_id for t in o.new_tokens]
+                    if o.finished:
+                        pending.discard(o.request_id)
+        return [tokens[rid] for rid in ids]
+
+
+@dataclass
+class StreamDelta:
+    text: str
+    token_ids: list[int]
+    tokens: list[SampledToken]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+class AsyncEngine:
+    """One background thread steps the engine; each request streams deltas to an asyncio queue."""
+
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # a model failure must reach every waiting client, not hang it
+                log.exception("engine step failed")
+                self.error = e
+                for loop, queue in list(self._queues.values()):
+                    loop.call_soon_threadsafe(queue.put_nowait, e)
+                return
+            for o in outputs:
+                target = self._queues.get(o.request_id)
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, o)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                       boundaries: tuple[int, ...] = (), eos_token_id: int | None = None,
+                       skip_special_tokens: bool = True) -> AsyncIterator[StreamDelta]:
+        """Add a request (raising ValueError / QueueFullError at once) and yield its deltas.
+        Closing the iterator early aborts the request."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        request = self.engine.add_request(prompt_token_ids, params, request_id=request_id,
+                                          boundaries=boundaries, eos_token_id=eos_token_id)
+        rid = request.request_id
+        self._queues[rid] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens)
+        finished = False
+        try:
+            while not finished:
+                o = await queue.get()
+                if isinstance(o, BaseException):
+                    raise RuntimeError("the engine failed while serving this request") from o
+                ids = [t.token_id for t in o.new_tokens]
+                text = detok.push(ids)
+                finished, reason = o.finished, o.finish_reason
+                if detok.stopped:  # a stop string: end here, free the pages now
+                    if not finished:
+                        self.engine.abort(rid, RequestStatus.FINISHED_STOPPED)
+                    finished, reason = True, RequestStatus.FINISHED_STOPPED.value
+                if finished and not detok.stopped:
+                    text += detok.flush()
+                yield StreamDelta(text, ids, o.new_tokens, finished, reason, o.num_prompt_tokens,
+                                  o.num_cached_tokens, o.num_output_tokens)
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.engine.abort(rid)
+                self._wake.set()

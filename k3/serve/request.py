@@ -1,0 +1,64 @@
+"""A serving request as the scheduler sees it: token ids, counts and a status (no tensors).
+
+A request advances by one rule (vLLM v1): each step computes some of the tokens it knows but has
+not computed yet (`num_tokens - num_computed_tokens`); prefill, chunked prefill, decode and
+recompute after preemption are all that rule with different counts.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from k3.serve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # eos, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the model length
+    FINISHED_ABORTED = "abort"  # cancelled by the client
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_id: int | None = None
+    # token positions inside the prompt where a chat turn starts: KDA checkpoint candidates
+    boundaries: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained keys of the full hash blocks
+    checkpoints: list[int] = field(default_factory=list)  # pending KDA checkpoint positions
+    num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt has no tokens")
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

@@ -1,0 +1,123 @@
+"""The model runner: the only serving code that touches tensors.
+
+Owns the page pool tensor [num_pages, page_bytes] (uint8; the bookkeeping never looks inside)
+and, per step: executes the page plan (zero fresh private state, copy hit snapshots and
+copy-on-write pages in), builds a `K3Cache` for the scheduled requests from their private KDA
+pages and MLA page tables, runs ONE packed forward (cu_seqlens: requests never share state),
+writes the new state and latent rows back into pages, snapshots KDA state into checkpoint pages,
+and samples the requests whose chunk reached their last known token.
+
+Legend: N scheduled requests, T packed new tokens, P tokens per page, M MLA layers,
+W = kv_lora_rank + qk_rope_head_dim, H/K/V KDA heads / key dim / value dim, 3C conv channels.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3.model.cache import K3Cache, KDAState, MLAState
+from k3.serve.page_layout import PageLayout
+from k3.serve.sampling import SampledToken, Sampler, SamplingParams
+from k3.serve.scheduler import ScheduledRequest, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None):
+        self.model = model
+        self.config = model.config
+        self.layout = layout
+        self.device = next(model.parameters()).device
+        if layout.dtype != next(model.parameters()).dtype:
+            raise ValueError(f"page layout dtype {layout.dtype} != model dtype {next(model.parameters()).dtype}")
+        self.pool = torch.empty(num_pages, layout.page_bytes, dtype=torch.uint8, device=self.device)
+        self.sampler = Sampler(seed)
+        L = layout
+        self._kda_layers = [i for i in range(self.config.num_hidden_layers) if not self.config.is_mla_layer(i)]
+        self._mla_layers = [i for i in range(self.config.num_hidden_layers) if self.config.is_mla_layer(i)]
+        self._state_shape = (L.kda_heads, L.kda_head_dim, L.kda_head_dim)
+        self._conv_shape = (L.conv_channels, L.conv_tail)
+
+    # ------------------------------------------------------------------ page views
+    def _latent_pages(self) -> torch.Tensor:
+        """The pool as MLA pages: [num_pages, P, M, W] in the model dtype."""
+        L = self.layout
+        return self.pool.view(L.dtype).view(-1, L.block_size, L.num_mla_layers, L.latent_dim)
+
+    def read_snapshots(self, pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One KDA layer's state for N requests from their pages -> (conv [N,3C,W-1], recurrent [N,H,K,V])."""
+        L = self.layout
+        raw = self.pool[[p for ps in pages for p in ps]].view(len(pages), -1)[:, :L.snapshot_bytes]
+        recurrent = raw[:, :L.recurrent_bytes].contiguous().view(torch.float32).view(-1, *self._state_shape)
+        conv = raw[:, L.recurrent_bytes:].contiguous().view(L.dtype).view(-1, *self._conv_shape)
+        return conv, recurrent
+
+    def write_snapshots(self, pages: list[list[int]], conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        L = self.layout
+        n = len(pages)
+        raw = torch.cat([recurrent.float().contiguous().view(n, -1).view(torch.uint8),
+                         conv.to(L.dtype).contiguous().view(n, -1).view(torch.uint8)], dim=1)
+        padded = raw.new_zeros(n, L.pages_per_snapshot * L.page_bytes)
+        padded[:, :L.snapshot_bytes] = raw
+        self.pool[[p for ps in pages for p in ps]] = padded.view(-1, L.page_bytes)
+
+    def read_latents(self, page_table: list[int], num_tokens: int) -> torch.Tensor:
+        """[num_tokens, M, W]: the cached latent rows of one request."""
+        if num_tokens == 0:
+            return self._latent_pages().new_zeros(0, self.layout.num_mla_layers, self.layout.latent_dim)
+        n_pages = self.layout.mla_pages_for(num_tokens)
+        return self._latent_pages()[page_table[:n_pages]].flatten(0, 1)[:num_tokens]
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src, dst = zip(*pairs)
+            self.pool[list(dst)] = self.pool[list(src)]
+
+    # ------------------------------------------------------------------ one step
+    def build_cache(self, requests: list[ScheduledRequest]) -> K3Cache:
+        layers: list = [None] * self.config.num_hidden_layers
+        for j, i in enumerate(self._kda_layers):
+            conv, recurrent = self.read_snapshots([r.state_pages[j] for r in requests])
+            layers[i] = KDAState(conv, recurrent)
+        if self._mla_layers:
+            per_request = [self.read_latents(r.page_table, r.num_computed) for r in requests]
+            for m, i in enumerate(self._mla_layers):
+                layers[i] = MLAState([lat[:, m].contiguous() for lat in per_request])
+        lengths = torch.tensor([r.num_computed for r in requests], dtype=torch.long)
+        return K3Cache(layers, lengths)
+
+    def write_back(self, requests: list[ScheduledRequest], cache: K3Cache) -> None:
+        for j, i in enumerate(self._kda_layers):
+            state = cache.layers[i]
+            self.write_snapshots([r.state_pages[j] for r in requests], state.conv, state.recurrent)
+        if not self._mla_layers:
+            return
+        P = self.layout.block_size
+        pages, rows, values = [], [], []
+        for n, r in enumerate(requests):
+            positions = torch.arange(r.num_computed, r.num_computed + len(r.token_ids))
+            table = torch.tensor(r.page_table, dtype=torch.long)
+            pages.append(table[positions // P])
+            rows.append(positions % P)
+            values.append(torch.stack([cache.layers[i].latents[n][r.num_computed:] for i in self._mla_layers], 1))
+        self._latent_pages()[torch.cat(pages), torch.cat(rows)] = torch.cat(values).to(self.layout.dtype)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, SampledToken]:
+        if not out.requests:
+            return {}
+        plan = out.plan
+        if plan.zero:
+            self.pool[plan.zero] = 0
+        self._copy(plan.copy_before)
+        requests = out.requests
+        cache = self.build_cache(requests)
+        ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)[None]
+        cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
+        logits = self.model(ids, cu_seqlens=cu, cache=cache)[0]
+        self.write_back(requests, cache)
+        self._copy(plan.copy_after)
+        chosen = [n for n, r in enumerate(requests) if r.sample]
+        if not chosen:
+            return {}
+        rids = [requests[n].request_id for n in chosen]
+        rows = logits[cu[1:][chosen] - 1]
+        return dict(zip(rids, self.sampler.sample(rows, rids, [params[rid] for rid in rids])))

@@ -1,0 +1,93 @@
+"""Per-request sampling parameters and the batched sampler (tensor code, called by the runner).
+
+Token selection reuses `k3.model.generate.sample_next` row by row, so greedy serving is the
+model's own `generate` by construction; each request may bring its own seed (its own generator,
+so its samples do not depend on what else is in the batch). Logprobs are of the model's raw
+distribution (before temperature / top-k / top-p), as in the OpenAI API.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.model.generate import sample_next
+
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the decoded text
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob plus the top n
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+class Sampler:
+    """Picks one token per row of logits [N, V] with each row's own parameters."""
+
+    def __init__(self, seed: int | None = None):
+        self._generator = torch.Generator()  # for requests without a seed
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._generator
+        gen = self._per_request.get(request_id)
+        if gen is None:
+            gen = self._per_request[request_id] = torch.Generator().manual_seed(params.seed)
+        return gen
+
+    def forget(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[SampledToken]:
+        logits = logits.float().cpu()
+        out = []
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            logprobs = torch.log_softmax(logits, dim=-1)
+        for row, (rid, p) in enumerate(zip(request_ids, params)):
+            token = int(sample_next(logits[row:row + 1], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                    generator=None if p.greedy else self.generator(rid, p))[0])
+            sampled = SampledToken(token)
+            if p.logprobs is not None:
+                sampled.logprob = float(logprobs[row, token])
+                if p.logprobs:
+                    top = torch.topk(logprobs[row], p.logprobs)
+                    sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+            out.append(sampled)
+        return out

@@ -1,0 +1,175 @@
+"""Continuous batching over ids and token counts (vLLM v1 style; no tensors here).
+
+Every step: running requests first, in admission order, each getting the tokens it still has to
+compute, capped by the step's token budget (chunked prefill) and by its next KDA checkpoint
+position (a checkpoint can only be saved where a step ends). When a running request needs pages
+and none are free, the most recently admitted request is preempted: its pages are released and it
+goes back to the front of the waiting queue with zero computed tokens, to be recomputed later
+(outputs are kept, so the result is the same, never wrong). Waiting requests are admitted only
+in a step without preemption, while there is budget and a slot.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from k3.serve.cache_manager import CacheManager, PagePlan
+from k3.serve.request import Request, RequestStatus
+from k3.serve.sampling import SampledToken
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the API answers 429 with Retry-After."""
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    num_computed: int  # tokens already in the request's state (where these start)
+    page_table: list[int]  # MLA pages, covering num_computed + len(token_ids) tokens
+    state_pages: list[list[int]]  # private KDA state, per KDA layer
+    sample: bool  # the chunk reaches the last known token: its logits pick the next token
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    plan: PagePlan = field(default_factory=PagePlan)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 max_model_len: int = 4096, max_waiting: int = 1024):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_waiting < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = min(max_model_len, cache.max_tokens_per_request())
+        if self.max_model_len < 2:
+            raise ValueError(f"the page pool is too small to serve any request ({cache.pool.num_pages} pages)")
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        total = request.num_prompt_tokens + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                             f"({request.sampling.max_tokens}) = {total} exceeds the model length {self.max_model_len}")
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests waiting (bound {self.max_waiting})")
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Stop a request now (abort, stop string) and free its pages; None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        request.status = status
+        self.cache.free(request)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        n = min(request.num_tokens - start, budget)
+        upcoming = [c for c in request.checkpoints if c > start]
+        return min(n, upcoming[0] - start) if upcoming else n
+
+    def _scheduled(self, request: Request, n: int, out: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        if start + n in request.checkpoints:
+            self.cache.plan_checkpoint(request, start + n, out.plan)
+        out.requests.append(ScheduledRequest(
+            request.request_id, request.all_token_ids[start:start + n], start,
+            list(self.cache.page_table(request.request_id)), self.cache.state_pages(request.request_id),
+            sample=start + n == request.num_tokens))
+
+    def _preempt(self, request: Request) -> None:
+        self.cache.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.checkpoints = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request, request.num_computed_tokens, budget)
+            while not self.cache.grow(request, n):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                self._scheduled(request, n, out)
+                budget -= n
+                i += 1
+                continue
+            break
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.cache.lookup(request)
+            request.checkpoints = self.cache.checkpoint_positions(request, hit, request.boundaries)
+            n = self._chunk(request, hit.length, budget)
+            if not self.cache.admit(request, hit, n, out.plan):
+                request.checkpoints = []
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._scheduled(request, n, out)
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Account for a finished step; returns the requests that got a token (some now finished)."""
+        changed = []
+        for s in out.requests:
+            request = self.requests[s.request_id]
+            request.num_computed_tokens += len(s.token_ids)
+            self.cache.commit(request)
+            request.checkpoints = [c for c in request.checkpoints if c > request.num_computed_tokens]
+            if not s.sample:
+                continue
+            token = sampled[s.request_id].token_id
+            request.output_token_ids.append(token)
+            changed.append(request)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.finish(request.request_id, status)
+        return changed
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        p = request.sampling
+        if (token == request.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
