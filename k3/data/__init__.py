@@ -1,0 +1,1 @@
+"""Bundled data (the offline default corpus) and loading of user corpora."""

@@ -1,0 +1,119 @@
+"""Documents for training: the bundled Shakespeare corpus or the user's files, split by document.
+
+A document is one unit that never shares context with another (packing puts a boundary between
+documents, k3/train/packing.py). Sources:
+- nothing (`None`): the bundled corpus, one document per work (k3/data/ATTRIBUTION.md);
+- a `.txt` (or any non-JSONL) file: one document per file;
+- a `.jsonl` file: one document per line, from its `text` field;
+- a folder: every `*.txt` and `*.jsonl` file under it, recursively, in sorted order.
+A corpus of a single document (one plain text file) is cut into `SINGLE_DOC_PIECES` pieces at
+paragraph breaks, so that a split by document still exists.
+
+The split is deterministic and independent of file order: documents are ranked by the SHA-256 of
+their id and the first `ceil(val_fraction * N)` (at least one) form the validation set.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+BUNDLED = Path(__file__).parent / "shakespeare.jsonl.xz"
+SINGLE_DOC_PIECES = 100
+
+
+class DataError(ValueError):
+    """Unusable training data; the message says what and where."""
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str  # stable across runs: bundled work id, relative file path, or "path:line"
+    text: str
+
+
+def _read_jsonl(path: Path, opener=open, label: str | None = None) -> list[Document]:
+    label = label or str(path)
+    docs = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{label}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise DataError(f"{label}:{lineno}: each JSONL line needs a string field 'text'")
+            docs.append(Document(str(record.get("id", f"{label}:{lineno}")), record["text"]))
+    return docs
+
+
+def _read_file(path: Path, root: Path) -> list[Document]:
+    rel = str(path.relative_to(root)) if path != root else path.name
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path, label=rel)
+    try:
+        return [Document(rel, path.read_text(encoding="utf-8"))]
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _split_paragraphs(doc: Document, pieces: int) -> list[Document]:
+    """Cut one long text at blank lines into about `pieces` parts of similar size."""
+    paragraphs = doc.text.split("\n\n")
+    target = max(1, len(doc.text) // pieces)
+    out, current = [], []
+    size = 0
+    for para in paragraphs:
+        current.append(para)
+        size += len(para) + 2
+        if size >= target:
+            out.append("\n\n".join(current))
+            current, size = [], 0
+    if current:
+        out.append("\n\n".join(current))
+    return [Document(f"{doc.id}#{i}", text) for i, text in enumerate(out)]
+
+
+def load_documents(source: str | Path | None = None) -> list[Document]:
+    """All documents of a source (see the module docstring); raises DataError when none has text."""
+    if source is None:
+        docs = _read_jsonl(BUNDLED, opener=lzma.open, label="bundled corpus")
+        where = f"the bundled corpus {BUNDLED}"
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise DataError(f"data path {str(source)!r} does not exist")
+        where = str(path)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl"))
+            if not files:
+                raise DataError(f"empty corpus: no *.txt or *.jsonl files under {path}")
+            docs = [d for f in files for d in _read_file(f, path)]
+        else:
+            docs = _read_file(path, path)
+    docs = [d for d in docs if d.text.strip()]
+    if not docs:
+        raise DataError(f"empty corpus: no text in {where}")
+    if len(docs) == 1:
+        docs = _split_paragraphs(docs[0], SINGLE_DOC_PIECES)
+        if len(docs) < 2:
+            raise DataError(f"{where}: a single paragraph cannot be split into train and val documents")
+    return docs
+
+
+def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """(train, val): deterministic by document id, at least one document on each side."""
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val fraction must be in (0, 1), got {val_fraction}")
+    if len(docs) < 2:
+        raise DataError(f"need at least 2 documents for a train/val split, got {len(docs)}")
+    ranked = sorted(docs, key=lambda d: hashlib.sha256(d.id.encode()).hexdigest())
+    n_val = min(len(docs) - 1, max(1, math.ceil(val_fraction * len(docs))))
+    val_ids = {d.id for d in ranked[:n_val]}
+    # keep the source order inside each split (reading order; the sampler shuffles windows anyway)
+    return [d for d in docs if d.id not in val_ids], [d for d in docs if d.id in val_ids]

@@ -1,0 +1,98 @@
+"""Byte-level BPE tokenizer (HF `tokenizers`), trained on the training split and saved as
+`tokenizer.json` next to every checkpoint.
+
+Special tokens take the first ids, in SPECIAL_TOKENS order, so the model config's bos/eos/pad ids
+are 0/1/2 (as in the k3-tiny and k3-1b presets). `<|open|>`, `<|sep|>`, `<|close|>` are reserved
+for K3's chat markers (k3/serve builds the chat format from these names).
+Byte-level means every token is a whole number of bytes and each character of a token's string is
+exactly one byte, so `token_bytes` gives the UTF-8 length of any token span (bits per byte).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = {
+    "bos": "<|bos|>",
+    "eos": "<|eos|>",
+    "pad": "<|pad|>",
+    "open": "<|open|>",
+    "sep": "<|sep|>",
+    "close": "<|close|>",
+}
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE with exactly `vocab_size` ids at most (fewer if the text runs out of merges)."""
+    minimum = len(SPECIAL_TOKENS) + 256
+    if vocab_size < minimum:
+        raise ValueError(f"vocab size must be >= {minimum} (specials + 256 byte tokens), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    prepare(tok)
+    return tok
+
+
+def prepare(tok: Tokenizer) -> Tokenizer:
+    """Raw text that happens to contain "<|bos|>" etc. is encoded as text, never as a marker."""
+    tok.encode_special_tokens = True
+    return tok
+
+
+def special_ids(tok: Tokenizer) -> dict[str, int]:
+    ids = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items()}
+    missing = [SPECIAL_TOKENS[n] for n, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer lacks the reserved special tokens {missing}")
+    return ids
+
+
+def token_bytes(tok: Tokenizer) -> list[int]:
+    """UTF-8 bytes each id stands for (0 for special tokens)."""
+    specials = set(SPECIAL_TOKENS.values())
+    return [0 if (s := tok.id_to_token(i)) in specials else len(s) for i in range(tok.get_vocab_size())]
+
+
+def save_tokenizer(tok: Tokenizer, directory: str | Path) -> Path:
+    """tokenizer.json plus a tokenizer_config.json naming the specials (so transformers'
+    AutoTokenizer loads the folder too); both via temp + rename."""
+    directory = Path(directory)
+    path = directory / TOKENIZER_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tok.save(str(tmp))
+    tmp.replace(path)
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS["bos"],
+           "eos_token": SPECIAL_TOKENS["eos"], "pad_token": SPECIAL_TOKENS["pad"],
+           "additional_special_tokens": [SPECIAL_TOKENS[k] for k in ("open", "sep", "close")]}
+    cpath = directory / "tokenizer_config.json"
+    ctmp = cpath.with_name(cpath.name + ".tmp")
+    ctmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    ctmp.replace(cpath)
+    return path
+
+
+def load_tokenizer(directory_or_file: str | Path) -> Tokenizer:
+    path = Path(directory_or_file)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} at {path}")
+    return prepare(Tokenizer.from_file(str(path)))
+
+
+def tokenizer_fingerprint(texts: list[str], vocab_size: int) -> str:
+    """Cache key of a trained tokenizer: inputs, size, specials and the library version."""
+    h = hashlib.sha256(f"bpe-bytelevel|{vocab_size}|{tokenizers.__version__}|{sorted(SPECIAL_TOKENS.items())}".encode())
+    for t in texts:
+        h.update(hashlib.sha256(t.encode()).digest())
+    return h.hexdigest()[:16]
