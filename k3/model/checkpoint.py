@@ -2,12 +2,13 @@
 official tensor names (SPEC §1: K3 `language_model.model.layers.{i}...`, Kimi Linear
 `model.layers.{i}...`). Our module names ARE the official names, so the table is one prefix; the
 renames and fusions that `transformers` applies when it writes Kimi-Linear checkpoints live in one
-place, k3/model/hf_transformers.py. Safetensors only: nothing is ever unpickled.
+place, `_ALIASES` below. Safetensors only: nothing is ever unpickled.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -18,6 +19,13 @@ from k3.config import K3Config
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
+
+# Other spellings of official tensors, mapped to ours. transformers 5.24 writes Kimi-Linear
+# checkpoints in the official layout (it splits its fused conv and expert tensors back on save)
+# except for the dense layer-0 MLP, which it writes under `block_sparse_moe.` (SPEC §6 note).
+_ALIASES = [
+    (re.compile(r"^(.*layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$"), r"\1mlp.\2"),
+]
 
 
 def state_dict_to_official(model) -> dict[str, torch.Tensor]:
@@ -33,13 +41,11 @@ def state_dict_to_official(model) -> dict[str, torch.Tensor]:
 
 def official_to_state_dict(config: K3Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Official (or transformers-written) names -> our state-dict names."""
-    from k3.model.hf_transformers import from_transformers_layout, is_transformers_layout
-
-    if is_transformers_layout(tensors):
-        tensors = from_transformers_layout(config, tensors)
     prefix = config.checkpoint_prefix
     out = {}
     for name, tensor in tensors.items():
+        for pattern, replacement in _ALIASES:
+            name = pattern.sub(replacement, name)
         if prefix and not name.startswith(prefix):
             if name.startswith(("vision_tower.", "mm_projector.")):
                 continue  # the vision encoder is not part of the text model

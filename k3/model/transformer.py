@@ -36,7 +36,7 @@ class K3DecoderLayer(nn.Module):
         if config.is_moe_layer(layer_idx):
             self.block_sparse_moe = StableLatentMoE(config)
         else:
-            self.mlp = DenseMLP(config, config.intermediate_size)
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, config)
         if config.attn_res_block_size is not None:
             self.self_attention_res_proj, self.self_attention_res_norm = new_attn_res_pair(D, eps)
             self.mlp_res_proj, self.mlp_res_norm = new_attn_res_pair(D, eps)
