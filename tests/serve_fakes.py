@@ -1,0 +1,69 @@
+"""A stand-in model for serving tests: same cache interface as K3ForCausalLM, exact integer math.
+
+Its next token is a known function of the whole prefix, computed THROUGH the decode state
+(KDA-like recurrent sums and conv tails, MLA-like latent rows), so any state the engine restores
+wrongly (a bad page, a stale snapshot, a wrong copy) changes the output. Values stay small
+integers, exact in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import load_config
+
+VOCAB = 61
+
+
+def fake_config():
+    # 4 layers: KDA, KDA, KDA, MLA (K3's schedule), tiny state sizes
+    return load_config("k3-tiny").replace(num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4],
+                                          vocab_size=VOCAB, kda_num_heads=1, kda_head_dim=2,
+                                          kv_lora_rank=4, qk_rope_head_dim=2)
+
+
+def reference_next(prefix: list[int]) -> int:
+    """What FakeModel predicts after `prefix`."""
+    kda = sum(prefix) % 9973  # recurrent state value per KDA layer
+    tail = prefix[-3:]  # conv window W-1 = 3
+    mla = sum((i % 7) * t for i, t in enumerate(prefix)) % 9973
+    return (3 * kda + 5 * sum(tail) + 7 * mla + len(prefix)) % VOCAB
+
+
+def reference_generate(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(reference_next(seq))
+    return seq[len(prompt):]
+
+
+class FakeModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = fake_config()
+        self.anchor = nn.Parameter(torch.zeros(1))  # gives the runner a device and dtype
+
+    def forward(self, input_ids, *, cu_seqlens=None, cache=None):
+        assert input_ids.shape[0] == 1 and cache is not None
+        bounds = cu_seqlens.tolist()
+        logits = torch.zeros(1, input_ids.shape[1], VOCAB)
+        for n in range(len(bounds) - 1):
+            for pos in range(bounds[n], bounds[n + 1]):
+                t = float(input_ids[0, pos])
+                for layer in cache.layers:
+                    if hasattr(layer, "recurrent"):
+                        layer.recurrent[n] = (layer.recurrent[n] + t) % 9973
+                        layer.conv[n] = torch.cat([layer.conv[n][:, 1:], torch.full_like(layer.conv[n][:, :1], t)], 1)
+                    else:
+                        row = torch.full((1, layer.latents[n].shape[1]), t)
+                        row[0, 0] = len(layer.latents[n]) % 7
+                        layer.latents[n] = torch.cat([layer.latents[n], row])
+                kda_layer = next(layer for layer in cache.layers if hasattr(layer, "recurrent"))
+                mla_layer = next(layer for layer in cache.layers if hasattr(layer, "latents"))
+                lat = mla_layer.latents[n]
+                kda = int(kda_layer.recurrent[n, 0, 0, 0])
+                tail = int(kda_layer.conv[n, 0].sum())
+                mla = int((lat[:, 0] * lat[:, 1]).sum()) % 9973
+                logits[0, pos, (3 * kda + 5 * tail + 7 * mla + len(lat)) % VOCAB] = 1.0
+        cache.lengths += torch.tensor(cu_seqlens.diff().tolist())
+        return logits
