@@ -171,6 +171,12 @@ def test_route_and_combine_skips_idle_experts():
     assert_rel_close("two active experts", ref, out, 1e-6)
 
 
+def test_empty_batch():
+    moe = StableLatentMoE(latent_config())
+    y = moe(torch.randn(0, 5, D))
+    assert y.shape == (0, 5, D)
+
+
 def test_bad_input_is_a_clear_error():
     moe = StableLatentMoE(latent_config())
     with pytest.raises(ValueError, match="last dim 32"):

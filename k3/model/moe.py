@@ -84,6 +84,8 @@ def route_and_combine(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
     This is the one place a grouped-GEMM / expert-parallel backend swaps in.
     """
     n, k = idx.shape
+    if n == 0:  # e.g. a step where this rank received no tokens
+        return torch.zeros_like(x)
     flat_expert = idx.flatten()
     order = torch.argsort(flat_expert, stable=True)
     counts = torch.bincount(flat_expert, minlength=len(experts)).tolist()
