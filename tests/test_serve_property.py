@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
-from tests.serve_fakes import FakeModel, reference_generate
+from tests.serve_fakes import FakeModel, one_torch_thread, reference_generate  # noqa: F401 (fixture)
 
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24], [1, 2, 3, 4, 5, 6, 7, 8, 40]]
 
