@@ -16,10 +16,10 @@ from k3.config import load_config
 VOCAB = 61
 
 
-def fake_config():
+def fake_config(vocab_size: int = VOCAB):
     # 4 layers: KDA, KDA, KDA, MLA (K3's schedule), tiny state sizes
     return load_config("k3-tiny").replace(num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4],
-                                          vocab_size=VOCAB, kda_num_heads=1, kda_head_dim=2,
+                                          vocab_size=vocab_size, kda_num_heads=1, kda_head_dim=2,
                                           kv_lora_rank=4, qk_rope_head_dim=2)
 
 
@@ -39,15 +39,15 @@ def reference_generate(prompt: list[int], n: int) -> list[int]:
 
 
 class FakeModel(nn.Module):
-    def __init__(self):
+    def __init__(self, vocab_size: int = VOCAB):
         super().__init__()
-        self.config = fake_config()
+        self.config = fake_config(vocab_size)
         self.anchor = nn.Parameter(torch.zeros(1))  # gives the runner a device and dtype
 
     def forward(self, input_ids, *, cu_seqlens=None, cache=None):
         assert input_ids.shape[0] == 1 and cache is not None
         bounds = cu_seqlens.tolist()
-        logits = torch.zeros(1, input_ids.shape[1], VOCAB)
+        logits = torch.zeros(1, input_ids.shape[1], self.config.vocab_size)
         for n in range(len(bounds) - 1):
             for pos in range(bounds[n], bounds[n + 1]):
                 t = float(input_ids[0, pos])
@@ -65,9 +65,26 @@ class FakeModel(nn.Module):
                 kda = int(kda_layer.recurrent[n, 0, 0, 0])
                 tail = int(kda_layer.conv[n, 0].sum())
                 mla = int((lat[:, 0] * lat[:, 1]).sum()) % 9973
-                logits[0, pos, (3 * kda + 5 * tail + 7 * mla + len(lat)) % VOCAB] = 1.0
+                logits[0, pos, self.predict(lat[:, 1].long().tolist(), kda, tail, mla)] = 1.0
         cache.lengths += torch.tensor(cu_seqlens.diff().tolist())
         return logits
+
+    def predict(self, history: list[int], kda: int, tail: int, mla: int) -> int:
+        return (3 * kda + 5 * tail + 7 * mla + len(history)) % VOCAB
+
+
+class ScriptedModel(FakeModel):
+    """Replies with a fixed token script after the last `marker` token (the chat format's
+    `<|sep|>`), then `end`: lets the server tests see tool calls and reasoning come out."""
+
+    def __init__(self, vocab_size: int, marker: int, script: list[int], end: int):
+        super().__init__(vocab_size)
+        self.marker, self.script, self.end = marker, script, end
+
+    def predict(self, history, kda, tail, mla) -> int:
+        since = len(history) - 1 - max(i for i, t in enumerate(history) if t == self.marker) \
+            if self.marker in history else len(history)
+        return self.script[since] if since < len(self.script) else self.end
 
 
 @pytest.fixture(autouse=True, scope="module")

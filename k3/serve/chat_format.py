@@ -122,8 +122,8 @@ class ChatFormat:
             ids += self._turn("assistant", "", close=False)
         return RenderedPrompt(ids, tuple(b for b in boundaries if b > 0))
 
-    def parse(self, text: str) -> "Reply":
-        parser = ReplyParser()
+    def parse(self, text: str, tools: bool = True) -> "Reply":
+        parser = ReplyParser(tools)
         parser.feed(text)
         parser.finish()
         return parser.reply
@@ -140,7 +140,8 @@ class ReplyParser:
     """Splits a reply, possibly arriving in pieces, into reasoning / content / tool-call events.
     Text that might be the start of a tag is held back until it is known not to be one."""
 
-    def __init__(self):
+    def __init__(self, tools: bool = True):
+        self.tools = tools  # False: tool-call tags are plain text (the request offered no tools)
         self.state = "content"  # "content" | "think" | "tool"
         self._buf = ""
         self.reply = Reply()
@@ -169,7 +170,7 @@ class ReplyParser:
                 self.state = "content"
                 continue
             kind = "reasoning" if self.state == "think" else "content"
-            tags = [THINK_CLOSE] if self.state == "think" else [THINK_OPEN, TOOL_OPEN]
+            tags = [THINK_CLOSE] if self.state == "think" else [THINK_OPEN] + ([TOOL_OPEN] if self.tools else [])
             hits = [(self._buf.find(t), t) for t in tags if self._buf.find(t) >= 0]
             if hits:
                 at, tag = min(hits)

@@ -15,8 +15,8 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from tokenizers import Tokenizer
@@ -56,15 +56,6 @@ class RequestOutput:
     num_output_tokens: int
 
 
-@dataclass
-class EngineStats:
-    """Timings the metrics endpoint exports (seconds); filled as requests progress."""
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-
-
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -83,8 +74,6 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._aborts: list[tuple[str, RequestStatus]] = []
         self._ids = itertools.count()
-        self._timing: dict[str, float] = {}  # request id -> arrival, then last token time
-        self.stats = EngineStats()
         log.info("engine: %d pages of %d bytes (%d tokens each; KDA state %d pages), hash block %d, prefix cache %s",
                  num_pages, self.layout.page_bytes, config.block_size, self.layout.pages_per_state,
                  config.hash_block_size, "on" if config.enable_prefix_caching else "off")
@@ -104,7 +93,6 @@ class LLMEngine:
                           boundaries=tuple(boundaries))
         with self._lock:
             self.scheduler.add_request(request)
-            self._timing[request.request_id] = time.monotonic()
         return request
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -126,29 +114,14 @@ class LLMEngine:
             out = self.scheduler.schedule()
             params = {r.request_id: self.scheduler.requests[r.request_id].sampling for r in out.requests}
         sampled = self.runner.execute(out, params)
-        now = time.monotonic()
         with self._lock:
-            changed = self.scheduler.update(out, sampled)
-            for request in changed:
+            for request in self.scheduler.update(out, sampled):
                 outputs.append(self._output(request, [sampled[request.request_id]]))
-                self._time(request, now)
         return outputs
-
-    def _time(self, request: Request, now: float) -> None:
-        last = self._timing.get(request.request_id)
-        if last is not None:
-            (self.stats.ttft if len(request.output_token_ids) == 1 else self.stats.itl).append(now - last)
-        self.stats.generation_tokens += 1
-        if len(request.output_token_ids) == 1:
-            self.stats.prompt_tokens += request.num_prompt_tokens
-        self._timing[request.request_id] = now
-        if request.status.finished:
-            self._timing.pop(request.request_id, None)
 
     def _output(self, request: Request, new: list[SampledToken]) -> RequestOutput:
         if request.status.finished:
             self.runner.sampler.forget(request.request_id)
-            self._timing.pop(request.request_id, None)
         return RequestOutput(request.request_id, new, request.status.finished, request.finish_reason,
                              request.num_prompt_tokens, request.num_cached_tokens or 0,
                              len(request.output_token_ids))
@@ -224,20 +197,27 @@ class AsyncEngine:
                     loop, queue = target
                     loop.call_soon_threadsafe(queue.put_nowait, o)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                       boundaries: tuple[int, ...] = (), eos_token_id: int | None = None,
-                       skip_special_tokens: bool = True) -> AsyncIterator[StreamDelta]:
-        """Add a request (raising ValueError / QueueFullError at once) and yield its deltas.
-        Closing the iterator early aborts the request."""
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                 boundaries: tuple[int, ...] = (), eos_token_id: int | None = None,
+                 skip_special_tokens: bool = True) -> AsyncIterator[StreamDelta]:
+        """Add a request NOW (raising ValueError / QueueFullError before anything is streamed, so
+        the caller can still answer with a status code) and return its stream of deltas. Closing
+        the stream before the end (aclose, cancellation) aborts the request."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
+        rid = request_id or f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
-        request = self.engine.add_request(prompt_token_ids, params, request_id=request_id,
-                                          boundaries=boundaries, eos_token_id=eos_token_id)
-        rid = request.request_id
-        self._queues[rid] = (asyncio.get_running_loop(), queue)
+        self._queues[rid] = (asyncio.get_running_loop(), queue)  # before the engine can emit anything
+        try:
+            self.engine.add_request(prompt_token_ids, params, request_id=rid, boundaries=boundaries,
+                                    eos_token_id=eos_token_id)
+        except BaseException:
+            del self._queues[rid]
+            raise
         self._wake.set()
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens)
+        return self._stream(rid, queue, IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens))
+
+    async def _stream(self, rid: str, queue: asyncio.Queue, detok: IncrementalDetokenizer) -> AsyncIterator[StreamDelta]:
         finished = False
         try:
             while not finished:
@@ -251,7 +231,7 @@ class AsyncEngine:
                     if not finished:
                         self.engine.abort(rid, RequestStatus.FINISHED_STOPPED)
                     finished, reason = True, RequestStatus.FINISHED_STOPPED.value
-                if finished and not detok.stopped:
+                elif finished:
                     text += detok.flush()
                 yield StreamDelta(text, ids, o.new_tokens, finished, reason, o.num_prompt_tokens,
                                   o.num_cached_tokens, o.num_output_tokens)

@@ -1,0 +1,53 @@
+"""Prometheus metrics: engine state read at scrape time, latencies observed by the routes.
+
+A registry per app (not the global one), so several servers can live in one process (tests).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from k3.serve.engine import LLMEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        stats = e.cache.stats
+        yield GaugeMetricFamily("k3_requests_running", "Requests being computed", value=len(e.scheduler.running))
+        yield GaugeMetricFamily("k3_requests_waiting", "Requests queued", value=len(e.scheduler.waiting))
+        yield GaugeMetricFamily("k3_cache_usage", "Fraction of pool pages held by requests", value=e.cache.pool.usage())
+        yield CounterMetricFamily("k3_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=stats.query_tokens)
+        yield CounterMetricFamily("k3_prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                                  value=stats.hit_tokens)
+        misses = CounterMetricFamily("k3_prefix_cache_misses", "Admissions that reused nothing, by reason",
+                                     labels=["reason"])
+        for reason, n in stats.miss_reasons.items():
+            misses.add_metric([reason], n)
+        yield misses
+        yield CounterMetricFamily("k3_preemptions", "Requests preempted (recomputed later)",
+                                  value=e.scheduler.num_preemptions)
+        yield CounterMetricFamily("k3_pool_evictions", "Cached pages reused for new content",
+                                  value=e.cache.pool.num_evictions)
+
+
+class Metrics:
+    def __init__(self, engine: LLMEngine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("k3_time_to_first_token_seconds", "Request arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("k3_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("k3_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.generation_tokens = Counter("k3_generation_tokens", "Generated tokens", registry=self.registry)
+        self.requests = Counter("k3_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=self.registry)
+        self.rejected = Counter("k3_requests_rejected", "Requests refused by status code", ["status"],
+                                registry=self.registry)

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions, /health,
+/metrics. Requests become token ids + SamplingParams, go through the AsyncEngine, and come back
+as OpenAI JSON or SSE chunks (`data: {...}`, then `data: [DONE]`)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tokenizers import Tokenizer
+
+from k3.serve.api.metrics import Metrics
+from k3.serve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from k3.serve.chat_format import ChatFormat, ReplyParser
+from k3.serve.engine import AsyncEngine, StreamDelta
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import QueueFullError
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    chat: ChatFormat
+    model_name: str
+    metrics: Metrics
+    created: int
+
+
+router = APIRouter()
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.ctx
+
+
+# ---------------------------------------------------------------------- plumbing
+def _sampling(ctx: ServingContext, body, prompt_len: int, max_new: int | None, logprobs: int | None,
+              stop_token_ids: list[int]) -> SamplingParams:
+    room = ctx.engine.engine.max_model_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt ({prompt_len} tokens) fills the model length "
+                            f"({ctx.engine.engine.max_model_len})", param="messages", code="context_length_exceeded")
+    if max_new is not None and max_new > room:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) exceeds the model length "
+                            f"({ctx.engine.engine.max_model_len})", param="max_tokens", code="context_length_exceeded")
+    try:
+        return SamplingParams(max_tokens=max_new or room, temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, seed=body.seed,
+                              stop=body.stop_list, stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos,
+                              logprobs=logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _submit(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, rid: str, **kw) -> AsyncIterator[StreamDelta]:
+    try:
+        return ctx.engine.generate(prompt_ids, params, request_id=rid, **kw)
+    except QueueFullError as e:
+        ctx.metrics.rejected.labels("429").inc()
+        raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _timed(ctx: ServingContext, stream: AsyncIterator[StreamDelta], t0: float) -> AsyncIterator[StreamDelta]:
+    """Observe TTFT / inter-token latency and token counts as the client sees them."""
+    m, last = ctx.metrics, None
+    async with aclosing(stream) as deltas:
+        async for d in deltas:
+            if d.token_ids:
+                now = time.monotonic()
+                (m.ttft if last is None else m.itl).observe(now - (t0 if last is None else last))
+                last = now
+                m.generation_tokens.inc(len(d.token_ids))
+            if d.finished:
+                m.prompt_tokens.inc(d.num_prompt_tokens)
+                m.requests.labels(d.finish_reason).inc()
+            yield d
+
+
+async def _collect(stream: AsyncIterator[StreamDelta], http: Request) -> list[StreamDelta]:
+    """Consume a whole stream, aborting it if the client goes away meanwhile."""
+    async def consume():
+        async with aclosing(stream) as deltas:
+            return [d async for d in deltas]
+
+    task = asyncio.ensure_future(consume())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await http.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            raise APIError(499, "client disconnected", code="client_closed_request")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(d: StreamDelta) -> dict:
+    return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
+            "total_tokens": d.num_prompt_tokens + d.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
+
+
+def _token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(tok: Tokenizer, deltas: list[StreamDelta]) -> dict | None:
+    entries = []
+    for d in deltas:
+        for t in d.tokens:
+            if t.logprob is None:
+                return None
+            s = _token_text(tok, t.token_id)
+            top = [{"token": (ts := _token_text(tok, i)), "logprob": lp, "bytes": list(ts.encode())}
+                   for i, lp in t.top_logprobs or ()]
+            entries.append({"token": s, "logprob": t.logprob, "bytes": list(s.encode()), "top_logprobs": top})
+    return {"content": entries}
+
+
+def _completion_logprobs(tok: Tokenizer, deltas: list[StreamDelta], offset: int) -> dict | None:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for d in deltas:
+        for t in d.tokens:
+            if t.logprob is None:
+                return None
+            s = _token_text(tok, t.token_id)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({_token_text(tok, i): lp for i, lp in t.top_logprobs or ()})
+            out["text_offset"].append(offset)
+            offset += len(s)
+    return out
+
+
+# ---------------------------------------------------------------------- endpoints
+@router.get("/health")
+async def health(request: Request):
+    ctx = _ctx(request)
+    if ctx.engine.error is not None:
+        return JSONResponse({"status": "error", "error": repr(ctx.engine.error)}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(generate_latest(_ctx(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    ctx = _ctx(request)
+    return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
+                                        "owned_by": "k3", "max_model_len": ctx.engine.engine.max_model_len}]}
+
+
+def _check_model(ctx: ServingContext, name: str) -> None:
+    if name != ctx.model_name:
+        raise APIError(404, f"model {name!r} does not exist; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    ctx = _ctx(request)
+    t0 = time.monotonic()
+    _check_model(ctx, body.model)
+    prompt = body.prompt
+    ids = ctx.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+    params = _sampling(ctx, body, len(ids), body.max_tokens, body.logprobs, [])
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    stream = _timed(ctx, _submit(ctx, ids, params, rid), t0)
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
+    if not body.stream:
+        deltas = await _collect(stream, request)
+        last = deltas[-1]
+        choice = {"index": 0, "text": "".join(d.text for d in deltas), "finish_reason": last.finish_reason,
+                  "logprobs": _completion_logprobs(ctx.tokenizer, deltas, 0) if body.logprobs is not None else None}
+        return {**base, "choices": [choice], "usage": _usage(last)}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def sse():
+        offset = 0
+        async with aclosing(stream) as deltas:
+            async for d in deltas:
+                lp = _completion_logprobs(ctx.tokenizer, [d], offset) if body.logprobs is not None else None
+                offset += len(d.text)
+                chunk = {**base, "choices": [{"index": 0, "text": d.text, "logprobs": lp,
+                                              "finish_reason": d.finish_reason if d.finished else None}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+                if d.finished and include_usage:
+                    yield _sse({**base, "choices": [], "usage": _usage(d)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    ctx = _ctx(request)
+    t0 = time.monotonic()
+    _check_model(ctx, body.model)
+    use_tools = bool(body.tools) and body.tool_choice != "none"
+    try:
+        rendered = ctx.chat.render([m.model_dump(exclude_none=True) for m in body.messages],
+                                   tools=[t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None,
+                                   reasoning_effort=body.reasoning_effort)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = _sampling(ctx, body, len(rendered.token_ids), body.max_new_tokens, top, [ctx.chat.eos])
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = _timed(ctx, _submit(ctx, rendered.token_ids, params, rid, boundaries=rendered.boundaries,
+                                 eos_token_id=ctx.chat.close), t0)
+    base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
+
+    def finish_reason(d: StreamDelta, parser: ReplyParser) -> str:
+        return "tool_calls" if parser.reply.tool_calls and d.finish_reason == "stop" else d.finish_reason
+
+    if not body.stream:
+        deltas = await _collect(stream, request)
+        parser = ReplyParser(tools=use_tools)
+        parser.feed("".join(d.text for d in deltas))
+        parser.finish()
+        reply = parser.reply
+        message = {"role": "assistant", "content": reply.content if reply.content or not reply.tool_calls else None}
+        if reply.reasoning:
+            message["reasoning"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(deltas[-1], parser),
+                  "logprobs": _chat_logprobs(ctx.tokenizer, deltas) if body.logprobs else None}
+        return {**base, "choices": [choice], "usage": _usage(deltas[-1])}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    base["object"] = "chat.completion.chunk"
+
+    def chunk(delta: dict, reason: str | None = None, logprobs=None) -> str:
+        c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+        if include_usage:
+            c["usage"] = None
+        return _sse(c)
+
+    async def sse():
+        parser = ReplyParser(tools=use_tools)
+        n_calls = 0
+        async with aclosing(stream) as deltas:
+            yield chunk({"role": "assistant", "content": ""})
+            async for d in deltas:
+                events = parser.feed(d.text) + (parser.finish() if d.finished else [])
+                lp = _chat_logprobs(ctx.tokenizer, [d]) if body.logprobs else None
+                for kind, value in events:
+                    if kind == "tool_call":
+                        yield chunk({"tool_calls": [{"index": n_calls, **value}]})
+                        n_calls += 1
+                    else:
+                        yield chunk({kind: value}, logprobs=lp)
+                        lp = None
+                if lp is not None and lp["content"]:
+                    yield chunk({}, logprobs=lp)
+                if d.finished:
+                    yield chunk({}, finish_reason(d, parser))
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(d)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream")

@@ -1,0 +1,110 @@
+"""The FastAPI app around an AsyncEngine, and running it with uvicorn (127.0.0.1 by default).
+
+Every error leaves as OpenAI's JSON shape: validation failures and malformed JSON as 400 (never
+FastAPI's 422 or a 5xx), a missing/wrong API key as 401, a full queue as 429 with Retry-After.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import Tokenizer
+
+from k3.serve.api.metrics import Metrics
+from k3.serve.api.protocol import APIError
+from k3.serve.api.routes import ServingContext, router
+from k3.serve.chat_format import ChatFormat
+from k3.serve.engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/metrics")  # readable without the API key (probes, scrapers)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="k3", lifespan=lifespan)
+    app.state.ctx = ServingContext(engine, tokenizer, ChatFormat(tokenizer), model_name, Metrics(engine.engine),
+                                   int(time.time()))
+
+    # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, and
+    # then a non-streaming handler can no longer see the client disconnect.
+    async def check_api_key(request: Request) -> None:
+        if api_key is not None and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                               type="authentication_error", code="invalid_api_key")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc) + ': ' if loc else ''}{first.get('msg')}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more errors)"
+        return _error(APIError(400, message, param=loc[-1] if loc else None,
+                               code="invalid_json" if first.get("type") == "json_invalid" else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return _error(APIError(e.status_code, str(e.detail), type="invalid_request_error"))
+
+    app.include_router(router, dependencies=[Depends(check_api_key)])
+    return app
+
+
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the server is reachable from other machines", host)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    """Uvicorn in a background thread on a free loopback port (tests, benchmarks, `k3 chat`)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1"):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                                    backlog=1024))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
