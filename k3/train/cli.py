@@ -1,0 +1,90 @@
+"""`k3 train`: with no arguments, trains k3-tiny on the bundled Shakespeare corpus on CPU.
+
+Distributed: `torchrun --nproc-per-node N -m k3 train ...` (FSDP2; gloo on CPU, NCCL on CUDA).
+Every default lives in TrainSettings; flags left out keep it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from k3.config import ConfigError
+from k3.data.corpus import DataError
+from k3.train.trainer import BALANCE_RULES, Trainer, TrainError, TrainSettings
+
+_DEFAULTS = TrainSettings()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    p.add_argument("--config", "--preset", dest="config", help=f"preset name or config.json path (default {d.config})")
+    p.add_argument("--set", dest="overrides", action="append", metavar="FIELD=VALUE",
+                   help="change a K3Config field, VALUE as JSON (e.g. --set num_hidden_layers=4); repeatable")
+    p.add_argument("--data", help="a text file, a JSONL file with a 'text' field, or a folder of them "
+                                  "(default: the bundled Shakespeare corpus)")
+    p.add_argument("--out", help="run folder (default runs/<config>-<timestamp>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint, with its saved settings")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--batch-size", type=int, help=f"sequences per optimizer step, all ranks together (default {d.batch_size})")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
+    p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW (default {d.lr})")
+    p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
+    p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
+    p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
+    p.add_argument("--eval-every", type=int, help=f"steps between evals and samples (default {d.eval_every})")
+    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
+    p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep})")
+    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
+    p.add_argument("--device", help=f"cpu or cuda (default {d.device})")
+    p.add_argument("--cache-dir", help="tokenizer/token cache (default $K3_CACHE_DIR or ~/.cache/k3)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _settings(args) -> TrainSettings:
+    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings)
+               if f.name != "overrides" and getattr(args, f.name, None) is not None}
+    overrides = {}
+    for item in args.overrides or []:
+        field, sep, value = item.partition("=")
+        if not sep:
+            raise TrainError(f"--set expects FIELD=VALUE, got {item!r}")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[field] = value  # a bare string such as --set kda_impl=chunk
+    return dataclasses.replace(_DEFAULTS, **changes, overrides=overrides)
+
+
+def run(args) -> int:
+    try:
+        if args.resume:
+            given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                     if v not in (None, False) and k not in ("resume", "no_progress")]
+            if given:
+                raise TrainError(f"--resume continues a run with its saved settings; drop {' '.join(given)}")
+            trainer = Trainer.from_run(args.resume, progress=not args.no_progress)
+        else:
+            trainer = Trainer(_settings(args), progress=not args.no_progress)
+    except (TrainError, DataError, ConfigError) as e:
+        print(f"k3 train: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = trainer.train()
+    except KeyboardInterrupt:
+        if trainer.world.is_main:
+            print(f"\ninterrupted; continue with: k3 train --resume {trainer.run_dir}", file=sys.stderr)
+        return 130
+    finally:
+        trainer.close()
+    if trainer.world.is_main:
+        run_dir = result["run_dir"]
+        print(f"\nrun saved to {run_dir}\n"
+              f"  val loss {result['val_loss']:.4f} nats/token, {result['val_bpb']:.4f} bits/byte "
+              f"({result['val_tokens']:,} val tokens), {result['elapsed'] / 60:.1f} min\n"
+              f"  checkpoint {result['checkpoint']}\n"
+              f"  report {run_dir}/report.md, loss curve {run_dir}/loss.png, metrics {run_dir}/metrics.jsonl\n"
+              f"  try: k3 generate --run {run_dir} --prompt \"To be, or not to be\"")
+    return 0

@@ -1,0 +1,90 @@
+"""Run observability: metrics.jsonl (one JSON object per event), loss.png and report.md.
+
+Records: {"kind": "train", step, loss, lr, grad_norm, tokens, tok_per_s, elapsed, max_load},
+{"kind": "eval", step, val_loss, val_bpb, val_tokens}, {"kind": "sample", step, prompt, text}.
+`step` counts completed optimizer steps. On resume the file is cut back to the checkpoint's step,
+so it always describes one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+REPORT_FILE = "report.md"
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / METRICS_FILE
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step` (written by a run that was then interrupted)."""
+        kept = [r for r in self.read() if r["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
+
+
+def plot_losses(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train loss")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name("tmp-" + path.name)
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_report(path: Path, *, settings: dict, params: dict, records: list[dict], wall_time_s: float,
+                 checkpoint: Path) -> None:
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    samples = [r for r in records if r["kind"] == "sample"]
+    last_eval = evals[-1] if evals else None
+    lines = [
+        f"# k3 training run: {path.parent.name}", "",
+        "| | |", "|---|---|",
+        f"| model | {settings['config']} ({params['total'] / 1e6:.2f}M parameters, {params['active'] / 1e6:.2f}M active per token) |",
+        f"| data | {settings['data'] or 'bundled Shakespeare corpus'} |",
+        f"| steps | {train[-1]['step'] if train else 0} x {settings['batch_size']} sequences x {settings['seq_len']} tokens |",
+        f"| tokens seen | {train[-1]['tokens'] if train else 0:,} |",
+        f"| final train loss | {train[-1]['loss']:.4f} |" if train else "| final train loss | - |",
+        (f"| final val loss / bits per byte | {last_eval['val_loss']:.4f} / {last_eval['val_bpb']:.4f} "
+         f"(step {last_eval['step']}, {last_eval['val_tokens']:,} tokens) |") if last_eval else "| val | - |",
+        f"| wall time | {wall_time_s / 60:.1f} min |",
+        f"| checkpoint | `{checkpoint}` |", "",
+        f"![loss curve]({PLOT_FILE})", "",
+        "## Settings", "", "```json", json.dumps(settings, indent=2), "```", "",
+    ]
+    if samples:
+        last_step = samples[-1]["step"]
+        lines += [f"## Samples (step {last_step})", ""]
+        for s in (s for s in samples if s["step"] == last_step):
+            lines += ["```text", s["prompt"] + s["text"], "```", ""]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(path)

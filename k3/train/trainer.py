@@ -1,0 +1,344 @@
+"""The pretraining loop as an importable Trainer (the `k3 train` verb is a thin wrapper).
+
+One optimizer step = `batch_size` windows of `seq_len` tokens (the global batch), split over ranks
+and then into `grad_accum` micro-batches; each micro-batch is one packed row with cu_seqlens.
+The loss is the mean next-token cross-entropy over the global batch's targets: every rank divides
+its summed NLL by the global target count (known without communication, windows are a pure
+function of the step) times the world size, because FSDP averages gradients over ranks.
+After each step: gradient clipping, Per-Head Muon + AdamW, the warmup-cosine schedule, then the
+expert-balance update (SPEC §6: QB by default, used from the next step on).
+
+Everything a step depends on is a function of (settings, step, saved state): data order from the
+seed and step, no dropout, eval and sampling use no global RNG. So a resumed run replays the same
+losses bit for bit on CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from k3.config import ConfigError, load_config
+from k3.data.corpus import DataError, load_documents, split_documents
+from k3.model.balance import balance_step, expert_loads
+from k3.model.generate import generate
+from k3.model.params import count_parameters
+from k3.model.transformer import K3ForCausalLM
+from k3.train import checkpoint as ckpt
+from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
+from k3.train.muon import PerHeadMuon, param_groups
+from k3.train.packing import IGNORE_INDEX, cached_token_stream, pack, window, windows_for_step
+from k3.train.parallel import World, all_reduce_sum, init_world, shard_model, shutdown
+from k3.train.schedule import warmup_cosine
+from k3.train.tokenizer import (load_tokenizer, save_tokenizer, special_ids, token_bytes, tokenizer_fingerprint,
+                                train_tokenizer)
+
+RUN_FILE = "run.json"
+BALANCE_RULES = ("quantile", "histogram", "sign", "none")
+EVAL_ROW_TOKENS = 4096  # tokens per eval forward (no backward, so rows can be long)
+
+
+@dataclass
+class TrainSettings:
+    """Everything that defines a run (saved as run.json; `--resume` reads it back)."""
+    config: str = "k3-tiny"  # preset name or config.json path
+    overrides: dict = dataclasses.field(default_factory=dict)  # K3Config fields to change, e.g. {"num_hidden_layers": 4}
+    data: str | None = None  # None: the bundled Shakespeare corpus
+    out: str | None = None  # run folder; None: runs/<config>-<timestamp>
+    steps: int = 600
+    batch_size: int = 8  # sequences per optimizer step, over all ranks and micro-batches
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 4e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    balance: str = "quantile"  # quantile | histogram | sign | none
+    val_fraction: float = 0.02  # the bundled corpus: 1 of 42 works
+    eval_every: int = 200
+    eval_windows: int = 16  # windows of the periodic eval; the final eval reads all of val
+    sample_tokens: int = 80
+    sample_prompts: tuple[str, ...] = ("To be, or not to be", "KING.\n")
+    ckpt_every: int = 200
+    keep: int = 3
+    seed: int = 0
+    device: str = "cpu"
+    cache_dir: str | None = None  # tokenizer/token cache; None: $K3_CACHE_DIR or ~/.cache/k3
+
+
+class TrainError(ValueError):
+    """Bad settings or inputs; raised before anything is written."""
+
+
+def _check_writable(path: Path) -> None:
+    """The nearest existing ancestor must be a writable folder (so mkdir cannot half-succeed)."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise TrainError(f"output dir {path} is not writable: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise TrainError(f"output dir {path} is not writable: no write permission on {probe}")
+
+
+def _validate(s: TrainSettings, world: World, max_positions: int) -> None:
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise TrainError(msg)
+
+    need(s.steps >= 1, f"steps must be >= 1, got {s.steps}")
+    need(s.batch_size >= 1 and s.grad_accum >= 1, "batch size and grad accumulation must be >= 1")
+    need(s.batch_size % (world.size * s.grad_accum) == 0,
+         f"batch size {s.batch_size} must be divisible by world size {world.size} x grad accumulation {s.grad_accum}")
+    need(2 <= s.seq_len <= max_positions,
+         f"sequence length {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
+    need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
+    need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
+    need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
+
+
+class Trainer:
+    def __init__(self, settings: TrainSettings, *, resume: bool = False, progress: bool = True, log=print):
+        self.s = settings
+        self.world = init_world(settings.device)
+        self.progress = progress and self.world.is_main
+        self.log = log if self.world.is_main else (lambda *a, **k: None)
+        try:
+            config = load_config(settings.config)
+            unknown = sorted(set(settings.overrides) - {f.name for f in dataclasses.fields(config)})
+            if unknown:
+                raise ConfigError(f"unknown K3Config fields in overrides: {unknown}")
+            overrides = dict(settings.overrides)
+            if "num_hidden_layers" in overrides:  # re-derive K3's layer schedule for the new depth
+                overrides.setdefault("kda_layers", [])
+                overrides.setdefault("full_attn_layers", [])
+            if overrides:
+                config = config.replace(**overrides)
+        except (ConfigError, FileNotFoundError, TypeError) as e:
+            raise TrainError(str(e)) from None
+        _validate(settings, self.world, config.max_position_embeddings)
+        self.run_dir = Path(settings.out) if settings.out else Path("runs") / (
+            f"{Path(settings.config).stem}-{datetime.now():%Y%m%d-%H%M%S}")
+        if resume:
+            if not (self.run_dir / RUN_FILE).is_file():
+                raise TrainError(f"cannot resume: {self.run_dir} has no {RUN_FILE}")
+        else:
+            _check_writable(self.run_dir)
+            if self.run_dir.exists() and any(self.run_dir.iterdir()):
+                raise TrainError(f"output dir {self.run_dir} already exists and is not empty (use --resume to continue it)")
+        train_docs, val_docs = split_documents(load_documents(settings.data), settings.val_fraction)
+        cache = Path(settings.cache_dir or os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3")
+
+        # tokenizer: the run's own on resume, else trained on the training split (cached)
+        if resume:
+            self.tokenizer = load_tokenizer(self.run_dir)
+        else:
+            tok_cache = cache / "tokenizers" / f"{tokenizer_fingerprint([d.text for d in train_docs], config.vocab_size)}.json"
+            if tok_cache.is_file():
+                self.tokenizer = load_tokenizer(tok_cache)
+            else:
+                self.log(f"training a {config.vocab_size}-token byte-level BPE on {len(train_docs)} documents ...")
+                self.tokenizer = train_tokenizer([d.text for d in train_docs], config.vocab_size)
+                tok_cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = tok_cache.with_name(tok_cache.stem + ".tmp.json")
+                self.tokenizer.save(str(tmp))
+                tmp.replace(tok_cache)
+        if self.tokenizer.get_vocab_size() > config.vocab_size:
+            raise TrainError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens, the model's vocab_size is {config.vocab_size}")
+        ids = special_ids(self.tokenizer)
+        self.config = config.replace(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+        self.token_bytes = torch.tensor(token_bytes(self.tokenizer) + [0] * (config.vocab_size - self.tokenizer.get_vocab_size()))
+        self.log(f"tokenizing {len(train_docs)} train / {len(val_docs)} val documents ...")
+        self.train_data = cached_token_stream(cache / "tokens", self.tokenizer, [d.text for d in train_docs], ids["bos"], ids["eos"])
+        self.val_data = cached_token_stream(cache / "tokens", self.tokenizer, [d.text for d in val_docs], ids["bos"], ids["eos"])
+        self.num_windows = self.train_data.num_windows(settings.seq_len)
+        if self.num_windows < 1:
+            raise TrainError(f"the training split has {len(self.train_data.tokens)} tokens, fewer than one "
+                             f"sequence of {settings.seq_len}: use more data or a shorter --seq-len")
+
+        # everything validated: from here on we write
+        if self.world.is_main and not resume:
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise TrainError(f"cannot create output dir {self.run_dir}: {e.strerror}") from None
+            (self.run_dir / RUN_FILE).write_text(json.dumps(dataclasses.asdict(settings), indent=2) + "\n")
+            save_tokenizer(self.tokenizer, self.run_dir)
+        self.metrics = MetricsLog(self.run_dir)
+
+        torch.manual_seed(settings.seed)
+        model = K3ForCausalLM(self.config).to(self.world.device)
+        self.params = count_parameters(self.config)
+        self.model = shard_model(model, self.world) if self.world.distributed else model
+        self.optimizer = PerHeadMuon(param_groups(self.model, self.config, weight_decay=settings.weight_decay),
+                                     lr=settings.lr, weight_decay=settings.weight_decay)
+        self.scheduler = warmup_cosine(self.optimizer, settings.steps, settings.min_lr_ratio)
+        self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
+        if resume:
+            found = ckpt.latest_checkpoint(self.run_dir / "checkpoints")
+            if found is not None:
+                state = ckpt.load_checkpoint(found, self.model, self.optimizer, self.scheduler)
+                self.step, self.elapsed, self.tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
+                self.log(f"resumed {self.run_dir} at step {self.step} from {found.name}")
+            if self.world.is_main:
+                self.metrics.truncate_after(self.step)
+        self.balance_rule = None if settings.balance == "none" else settings.balance
+        self.balance_reduce = None
+        if self.world.distributed and self.balance_rule is not None:
+            if self.balance_rule == "quantile":  # exact QB needs every score: pool histograms instead
+                self.balance_rule = "histogram"
+                self.log("balance: quantile -> histogram QB pooled over ranks (SPEC §6, within one bin of exact)")
+            self.balance_reduce = lambda t: all_reduce_sum(t, self.world)
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, **kwargs) -> "Trainer":
+        path = Path(run_dir) / RUN_FILE
+        if not path.is_file():
+            raise TrainError(f"cannot resume: {run_dir} has no {RUN_FILE}")
+        raw = json.loads(path.read_text())
+        raw["sample_prompts"] = tuple(raw.get("sample_prompts", ()))
+        settings = TrainSettings(**{**raw, "out": str(run_dir)})
+        return cls(settings, resume=True, **kwargs)
+
+    # ------------------------------------------------------------------ one step
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.world.device.type == "cuda")
+
+    def _loss_sum(self, batch) -> torch.Tensor:
+        with self._autocast():
+            logits = self.model(batch.input_ids, cu_seqlens=batch.cu_seqlens)
+        return F.cross_entropy(logits[0].float(), batch.labels[0], ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def train_step(self) -> dict:
+        s, world = self.s, self.world
+        windows = windows_for_step(self.num_windows, s.seed, self.step, s.batch_size)
+        targets = sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows)
+        per_rank = s.batch_size // world.size
+        mine = windows[world.rank * per_rank:(world.rank + 1) * per_rank]
+        micro = per_rank // s.grad_accum
+        self.model.train()
+        nll = torch.zeros((), device=world.device)
+        for j in range(s.grad_accum):
+            batch = pack(self.train_data, mine[j * micro:(j + 1) * micro], s.seq_len).to(world.device)
+            loss_sum = self._loss_sum(batch)
+            (loss_sum * (world.size / targets)).backward()
+            nll += loss_sum.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loads = expert_loads(self.model)
+        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
+        self.step += 1
+        self.tokens_seen += s.batch_size * s.seq_len
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
+        return {"kind": "train", "step": self.step, "loss": float(all_reduce_sum(nll, world)) / targets, "lr": lr,
+                "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3)}
+
+    # ------------------------------------------------------------------ eval and samples
+    @torch.no_grad()
+    def evaluate(self, max_windows: int | None = None) -> dict:
+        """Val loss (nats/token) and bits per byte over the first `max_windows` val windows (all by
+        default). Every rank evaluates the same windows: FSDP's forward is a collective."""
+        T = self.s.seq_len
+        n = self.val_data.num_windows(T, partial=True)
+        n = n if max_windows is None else min(n, max_windows)
+        per_batch = max(1, EVAL_ROW_TOKENS // T)
+        self.model.eval()
+        nats, tokens, nbytes = 0.0, 0, 0
+        for start in range(0, n, per_batch):
+            batch = pack(self.val_data, list(range(start, min(n, start + per_batch))), T).to(self.world.device)
+            nats += float(self._loss_sum(batch))
+            valid = batch.labels[0][batch.labels[0] != IGNORE_INDEX].cpu()
+            tokens += valid.numel()
+            nbytes += int(self.token_bytes[valid].sum())
+        self.model.train()
+        return {"kind": "eval", "step": self.step, "val_loss": nats / tokens,
+                "val_bpb": nats / math.log(2) / max(nbytes, 1), "val_tokens": tokens}
+
+    @torch.no_grad()
+    def samples(self, temperature: float = 0.8, top_p: float = 0.95) -> list[dict]:
+        bos = self.config.bos_token_id
+        prompts = [[bos] + self.tokenizer.encode(p).ids for p in self.s.sample_prompts]
+        self.model.eval()
+        outs = generate(self.model, prompts, self.s.sample_tokens, temperature=temperature, top_p=top_p,
+                        eos_token_id=self.config.eos_token_id, seed=self.s.seed)
+        self.model.train()
+        return [{"kind": "sample", "step": self.step, "prompt": p, "text": self.tokenizer.decode(o)}
+                for p, o in zip(self.s.sample_prompts, outs)]
+
+    # ------------------------------------------------------------------ the loop
+    def _save(self) -> Path:
+        state = {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "data_position": self.step * self.s.batch_size,
+                 "world_size": self.world.size, "settings": dataclasses.asdict(self.s)}
+        return ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer,
+                                    self.scheduler, state, lambda d: save_tokenizer(self.tokenizer, d), keep=self.s.keep)
+
+    def _record(self, records: list[dict]) -> None:
+        if self.world.is_main:
+            for r in records:
+                self.metrics.write(r)
+
+    def train(self) -> dict:
+        """Run to `steps`; returns the final eval record plus where things went."""
+        s = self.s
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=s.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        last_ckpt = ckpt.latest_checkpoint(self.run_dir / "checkpoints")
+        try:
+            while self.step < s.steps:
+                t0 = time.perf_counter()
+                record = self.train_step()
+                dt = time.perf_counter() - t0
+                self.elapsed += dt
+                record.update(tok_per_s=round(s.batch_size * s.seq_len / dt), elapsed=round(self.elapsed, 2))
+                self._record([record])
+                if bar is not None:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=record["tok_per_s"], lr=f"{record['lr']:.2e}")
+                    bar.update(1)
+                if self.step % s.eval_every == 0 and self.step < s.steps:
+                    t1 = time.perf_counter()
+                    ev = self.evaluate(s.eval_windows)
+                    self._record([ev, *self.samples()])
+                    self.elapsed += time.perf_counter() - t1
+                    if bar is not None:
+                        bar.write(f"step {self.step}: val loss {ev['val_loss']:.4f}, val bpb {ev['val_bpb']:.4f}")
+                if self.step % s.ckpt_every == 0 or self.step == s.steps:
+                    t1 = time.perf_counter()
+                    last_ckpt = self._save()
+                    self.elapsed += time.perf_counter() - t1
+        finally:
+            if bar is not None:
+                bar.close()
+        t1 = time.perf_counter()
+        final = self.evaluate()
+        samples = self.samples()
+        self.elapsed += time.perf_counter() - t1
+        if self.world.is_main:
+            records = [r for r in self.metrics.read() if not (r["step"] == self.step and r["kind"] != "train")]
+            records += [final, *samples]
+            tmp = self.metrics.path.with_name(self.metrics.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+            tmp.replace(self.metrics.path)
+            plot_losses(records, self.run_dir / PLOT_FILE)
+            write_report(self.run_dir / REPORT_FILE, settings=dataclasses.asdict(s), params=self.params,
+                         records=records, wall_time_s=self.elapsed, checkpoint=last_ckpt)
+        return {**final, "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt), "samples": samples,
+                "elapsed": self.elapsed}
+
+    def close(self) -> None:
+        shutdown(self.world)
