@@ -8,12 +8,13 @@ log-decay G_i = sum_{r<=i} g_r (per key channel) and S the state entering the ch
     (I + A_kk) [W | U] = [Diag(beta)(exp(G) * K) | Diag(beta) V]      (WY/UT form, one triangular solve)
     V' = U - W S ;  O = (exp(G) * Q) S + A_qk V' ;  S <- Diag(exp(G_C)) S + (exp(G_C - G) * K)^T V'
 
-Everything but the last line is batched over all chunks at once; only the state recurrence loops
-over chunks. All math is fp32. No exp of a positive argument ever happens: the pairwise decays are
-built as exp(G_i - G_j) with the non-causal (j > i) entries set to -inf BEFORE exp, so they are
-exactly 0 and their gradients too (masking after exp would give inf * 0 = NaN for large decays).
-Cost of that exactness: a [B, H, T, C, K] fp32 decay tensor; a smaller chunk trades it for more
-loop steps. T need not be a multiple of C: the last chunk is padded with q = k = v = 0, g = 0 (no
+Everything above the last line is batched over all chunks at once; only the last line (it needs S)
+loops over chunks. All math is fp32 and no exp ever sees a positive argument: pairwise decays between
+different 16-token sub-blocks factor through the earlier block's end (two factors <= 1, a matmul),
+and inside a sub-block they are built as exp(G_i - G_j) with the non-causal (j > i) entries set
+to -inf BEFORE exp, so they are exactly 0 and so are their gradients (masking after exp would give
+inf * 0 = NaN for large decays). Memory: a [B, H, T, 16, K] fp32 tensor for those diagonal blocks.
+T need not be a multiple of C: the last chunk is padded with q = k = v = 0, g = 0 (no
 decay) and beta = 0 (no write), which changes no real output and no final state.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from k3.ops.kda.inputs import check_kda_inputs
 from k3.ops.varlen import pack, unpack
 
 CHUNK_SIZES = (16, 32, 64)
+SUB = 16  # sub-block of the exact pairwise decays (FlashKDA tiles at 16 too)
 
 
 def kda_chunk(
@@ -71,12 +73,8 @@ def _chunked(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int):
     q, k, v, g = chunks(q * scale), chunks(k), chunks(v), chunks(g)
     beta = chunks(beta)  # [B, H, NC, C, 1]
     G = g.cumsum(dim=-2)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    strict = causal.tril(-1)
-    # Pairwise decays exp(G_i - G_j) [B, H, NC, C(i), C(j), K], -inf before exp off the causal part.
-    decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
-    A_qk = torch.einsum("...ic,...ijc,...jc->...ij", q, decay, k)
-    A_kk = torch.einsum("...ic,...ijc,...jc->...ij", k, decay, k) * beta * strict
+    A_qk, A_kk = _intra_chunk_scores(q, k, G)
+    A_kk = A_kk * beta * torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     rhs = torch.cat([beta * G.exp() * k, beta * v], dim=-1)
     w, u = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True).split([K, V], dim=-1)
@@ -92,3 +90,42 @@ def _chunked(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int):
         S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, C, V)  # [B, H, NC, C, V]
     return o.permute(0, 2, 3, 1, 4).reshape(B, T, H, V), S
+
+
+def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, G [..., C, K] -> (A_qk, A_kk') [..., C, C], A_xk[i, j] = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c])
+    for j <= i and 0 above the diagonal (the caller drops A_kk's diagonal).
+
+    The chunk is cut into sub-blocks of SUB tokens. Between different sub-blocks I > J the decay
+    factors through the last position r of block J: exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j),
+    both exponents <= 0, so A[I, J] is a plain matmul that can neither overflow nor lose the pairwise
+    exactness. Only the diagonal sub-blocks need the explicit [SUB, SUB, K] pairwise decays, so the
+    memory is T * SUB * K per head instead of T * C * K.
+    """
+    C = q.shape[-2]
+    sub = min(SUB, C)
+    nb = C // sub
+    qb, kb, Gb = (t.unflatten(-2, (nb, sub)) for t in (q, k, G))  # [..., nb, sub, K]
+    # Diagonal sub-blocks, exact: non-causal pairs go to -inf BEFORE exp (exact zeros, finite grads).
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
+    decay = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
+    decayed_k = decay * kb[..., None, :, :]  # [..., nb, sub(i), sub(j), K]: k_j decayed to i, shared by q and k
+    eye = torch.eye(nb, dtype=q.dtype, device=q.device)
+
+    def scores(xb: torch.Tensor) -> torch.Tensor:
+        diag = (decayed_k @ xb[..., None]).squeeze(-1)  # [..., nb, sub, sub]
+        return torch.einsum("...Iis,IJ->...IiJs", diag, eye)  # placed on the block diagonal
+
+    A_qk, A_kk = scores(qb), scores(kb)
+    if nb > 1:
+        G_ref = Gb[..., -1, :]  # [..., nb, K]: each block's last cumulative decay
+        k_ref = kb * (G_ref[..., None, :] - Gb).exp()  # k_j decayed to its block's end: [..., nb(J), sub, K]
+        later = torch.arange(C, device=q.device)[None, :] // sub > torch.arange(nb, device=q.device)[:, None]
+        to_ref = (G[..., None, :, :] - G_ref[..., :, None, :]).masked_fill(~later[:, :, None], float("-inf")).exp()
+
+        def across(x: torch.Tensor) -> torch.Tensor:  # [..., nb(J), C(i), sub(s)] -> [..., nb(I), sub, nb(J), sub]
+            off = (x[..., None, :, :] * to_ref) @ k_ref.transpose(-1, -2)
+            return off.unflatten(-2, (nb, sub)).movedim(-4, -2)
+
+        A_qk, A_kk = A_qk + across(q), A_kk + across(k)
+    return A_qk.flatten(-4, -3).flatten(-2, -1), A_kk.flatten(-4, -3).flatten(-2, -1)
