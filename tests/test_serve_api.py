@@ -4,6 +4,7 @@ errors (OpenAI JSON, 4xx only, fuzzed bodies), API key, and pages freed on clien
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -208,7 +209,7 @@ def test_bad_completion_bodies(scripted):
     assert httpx.get(server.url + "/v1/nothing", headers=h).status_code == 404
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                        max_size=3), max_leaves=6)
 FIELDS = ["model", "messages", "max_tokens", "temperature", "top_p", "stop", "stream", "seed", "tools",
@@ -243,3 +244,44 @@ def test_client_disconnect_cancels_and_frees_pages(tiny):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
     wait_idle(engine)
+
+
+def test_k3_serve_cli_end_to_end(tmp_path, tokenizer):
+    """`k3 serve --run DIR` as a real process, on a run folder laid out like `k3 train` writes it."""
+    import socket
+    import subprocess
+    import sys
+
+    from k3.model.checkpoint import save_pretrained
+    from k3.train.tokenizer import save_tokenizer
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size()))
+    step = tmp_path / "run" / "checkpoints" / "step_0000007"
+    save_pretrained(model, step)
+    save_tokenizer(tokenizer, step)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--run", str(tmp_path / "run"), "--port", str(port),
+                             "--api-key", KEY, "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "k3 serve did not come up"
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == ["run"]
+        out = c.chat.completions.create(model="run", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert out.usage.completion_tokens <= 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

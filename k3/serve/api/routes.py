@@ -28,7 +28,7 @@ from k3.serve.scheduler import QueueFullError
 class ServingContext:
     engine: AsyncEngine
     tokenizer: Tokenizer
-    chat: ChatFormat
+    chat: ChatFormat | None  # None: the tokenizer lacks K3's chat markers (completions only)
     model_name: str
     metrics: Metrics
     created: int
@@ -220,6 +220,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = _ctx(request)
     t0 = time.monotonic()
     _check_model(ctx, body.model)
+    if ctx.chat is None:
+        raise APIError(400, "this model's tokenizer has no K3 chat markers; use /v1/completions")
     use_tools = bool(body.tools) and body.tool_choice != "none"
     try:
         rendered = ctx.chat.render([m.model_dump(exclude_none=True) for m in body.messages],

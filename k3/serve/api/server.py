@@ -41,8 +41,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
         engine.shutdown()
 
     app = FastAPI(title="k3", lifespan=lifespan)
-    app.state.ctx = ServingContext(engine, tokenizer, ChatFormat(tokenizer), model_name, Metrics(engine.engine),
-                                   int(time.time()))
+    try:
+        chat = ChatFormat(tokenizer)
+    except ValueError as e:  # e.g. a Kimi Linear tokenizer: completions only
+        log.warning("chat endpoint disabled: %s", e)
+        chat = None
+    app.state.ctx = ServingContext(engine, tokenizer, chat, model_name, Metrics(engine.engine), int(time.time()))
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, and
     # then a non-streaming handler can no longer see the client disconnect.

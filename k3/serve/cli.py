@@ -1,0 +1,59 @@
+"""`k3 serve`: the OpenAI-compatible server for a `k3 train` run or an HF-layout checkpoint."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from k3.serve.engine import EngineConfig
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Model source and engine knobs, shared by `k3 serve` and `k3 chat`."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="a `k3 train` run folder (serves its latest checkpoint)")
+    src.add_argument("--model", help="an HF-layout checkpoint folder (K3 or Kimi Linear)")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d = EngineConfig()
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per MLA page")
+    p.add_argument("--hash-block-size", type=int, default=d.hash_block_size, help="prefix-hash granularity (tokens)")
+    p.add_argument("--cache-mb", type=int, default=d.cache_bytes >> 20, help="page pool size")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per-step budget")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue bound (beyond it: HTTP 429)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(block_size=args.block_size, hash_block_size=args.hash_block_size,
+                        cache_bytes=args.cache_mb << 20, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
+                        seed=args.seed)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("K3_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $K3_API_KEY, else none)")
+    p.add_argument("--served-model-name", help="the model id clients use (default: the run/checkpoint name)")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args) -> int:
+    from k3.serve.api.server import build_app, run_server
+    from k3.serve.engine import AsyncEngine, LLMEngine
+    from k3.serve.loading import load_for_serving
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+    engine = AsyncEngine(LLMEngine(model, engine_config(args)), tokenizer)
+    app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key)
+    run_server(app, args.host, args.port)
+    return 0
