@@ -265,7 +265,7 @@ class Trainer:
             nbytes += int(self.token_bytes[valid].sum())
         self.model.train()
         return {"kind": "eval", "step": self.step, "val_loss": nats / tokens,
-                "val_bpb": nats / math.log(2) / max(nbytes, 1), "val_tokens": tokens}
+                "val_bpb": nats / math.log(2) / max(nbytes, 1), "val_tokens": tokens, "val_bytes": nbytes}
 
     @torch.no_grad()
     def samples(self, temperature: float = 0.8, top_p: float = 0.95) -> list[dict]:

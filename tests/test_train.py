@@ -1,0 +1,162 @@
+"""`k3 train` end to end on a very small config: outputs, exact resume (also after a kill during a
+checkpoint write), bad input, and `k3 generate` on the result."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3.config import load_config
+from k3.data.corpus import load_documents, split_documents
+from k3.train import cli as train_cli
+from k3.train import generate_cli
+from k3.train.trainer import Trainer, TrainSettings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def small_config_dir(root: Path) -> str:
+    """k3-tiny cut down: 2 layers (KDA + dense FFN, MLA + latent MoE), d=64, 4 experts, AttnRes."""
+    cfg = load_config("k3-tiny").replace(
+        vocab_size=320, hidden_size=64, num_hidden_layers=2, kda_layers=[], full_attn_layers=[],
+        intermediate_size=96, num_experts=4, num_experts_per_token=2, kda_chunk_size=16)
+    cfg.save(root / "config")
+    return str(root / "config" / "config.json")
+
+
+def small_corpus(root: Path) -> str:
+    text = "".join(d.text for d in load_documents()[:2])[:24_000]
+    path = root / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": f"doc{i}", "text": text[i * 800:(i + 1) * 800]}) + "\n"
+                            for i in range(30)))
+    return str(path)
+
+
+def tiny_settings(root: Path, name: str, **changes) -> TrainSettings:
+    base = TrainSettings(config=small_config_dir(root), data=small_corpus(root), out=str(root / name), steps=6,
+                         batch_size=4, seq_len=32, lr=3e-3, eval_every=3, eval_windows=2, ckpt_every=2, keep=2,
+                         sample_tokens=4, val_fraction=0.1, cache_dir=str(root / "cache"))
+    return dataclasses.replace(base, **changes)
+
+
+def losses(run_dir: str | Path) -> list[float]:
+    records = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+def quiet(*_a, **_k):
+    pass
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    settings = tiny_settings(root, "ref")
+    result = Trainer(settings, progress=False, log=quiet).train()
+    return root, settings, result
+
+
+def test_run_writes_everything(reference_run):
+    root, settings, result = reference_run
+    run = Path(settings.out)
+    for name in ("run.json", "tokenizer.json", "metrics.jsonl", "loss.png", "report.md"):
+        assert (run / name).is_file(), name
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_0000004", "step_0000006"]  # keep=2
+    last = run / "checkpoints" / "step_0000006"
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json", "optimizer.safetensors",
+                 "rng.safetensors", "trainer_state.json"):
+        assert (last / name).is_file(), name
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["data_position"] == 6 * settings.batch_size
+    curve = losses(run)
+    assert len(curve) == 6 and curve[-1] < curve[0]
+    # bits per byte: the final eval covers every byte of the val documents
+    _, val = split_documents(load_documents(settings.data), settings.val_fraction)
+    assert result["val_bytes"] == sum(len(d.text.encode()) for d in val)
+    assert 0 < result["val_bpb"] < 8
+    report = (run / "report.md").read_text()
+    assert "bits per byte" in report and "tokens seen" in report and "Samples" in report
+
+
+KILL_DURING_WRITE = """
+import json, os, signal, sys
+import k3.train.checkpoint as ckpt
+from k3.train.trainer import Trainer, TrainSettings
+real = ckpt.save_file
+def dying_save_file(tensors, path, *a, **k):
+    if path.endswith("optimizer.safetensors") and "step_0000004" in path:
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        os.kill(os.getpid(), signal.SIGKILL)  # a real kill, mid-checkpoint
+    return real(tensors, path, *a, **k)
+ckpt.save_file = dying_save_file
+settings = json.loads(sys.argv[1])
+settings["sample_prompts"] = tuple(settings["sample_prompts"])
+Trainer(TrainSettings(**settings), progress=False).train()
+"""
+
+
+def test_resume_after_kill_during_checkpoint_write_is_exact(reference_run):
+    root, settings, _ = reference_run
+    killed = tiny_settings(root, "killed")
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_WRITE, json.dumps(dataclasses.asdict(killed))],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    ckpts = Path(killed.out) / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [".step_0000004.tmp", "step_0000002"]
+    assert len(losses(killed.out)) == 4  # it got past step 4 before dying in the write
+    trainer = Trainer.from_run(killed.out, progress=False, log=quiet)
+    assert trainer.step == 2  # the half-written step 4 is never picked up
+    trainer.train()
+    assert losses(killed.out) == losses(settings.out)  # bit for bit
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000004", "step_0000006"]
+
+
+def _cli(argv: list[str], module=train_cli) -> int:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(argv))
+
+
+def test_generate_streams_text(reference_run, capsys):
+    _, settings, _ = reference_run
+    assert _cli(["--run", settings.out, "--prompt", "To be", "--max-tokens", "8", "--greedy"], generate_cli) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("To be") and len(out) > len("To be\n")
+    assert _cli(["--run", str(Path(settings.out) / "nope"), "--prompt", "x"], generate_cli) == 2
+
+
+@pytest.mark.parametrize("case", ["missing-data", "empty-corpus", "unknown-preset", "seq-too-long", "unwritable-out",
+                                  "resume-with-flags"])
+def test_bad_input_is_a_clear_error_with_no_output(tmp_path, capsys, case):
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    if case == "missing-data":
+        argv += ["--data", str(tmp_path / "nothing-here")]
+    elif case == "empty-corpus":
+        (tmp_path / "empty").mkdir()
+        argv += ["--data", str(tmp_path / "empty")]
+    elif case == "unknown-preset":
+        argv += ["--config", "k3-huge"]
+    elif case == "seq-too-long":
+        argv += ["--seq-len", "100000"]
+    elif case == "unwritable-out":
+        (tmp_path / "a-file").write_text("x")
+        out = tmp_path / "a-file" / "run"
+        argv = ["--out", str(out), "--no-progress"]
+    elif case == "resume-with-flags":
+        argv = ["--resume", str(out), "--steps", "3"]
+    assert _cli(argv) == 2
+    err = capsys.readouterr().err
+    expected = {"missing-data": "does not exist", "empty-corpus": "empty corpus", "unknown-preset": "unknown preset",
+                "seq-too-long": "sequence length 100000", "unwritable-out": "not writable",
+                "resume-with-flags": "drop --steps"}[case]
+    assert err.startswith("k3 train: error:") and expected in err, err
+    assert not out.exists()
