@@ -71,7 +71,6 @@ class ElementFormat:
 E2M1 = ElementFormat("e2m1", ebits=2, mbits=1, max=6.0, torch_dtype=None)
 E4M3 = ElementFormat("e4m3", ebits=4, mbits=3, max=448.0, torch_dtype=torch.float8_e4m3fn)
 E5M2 = ElementFormat("e5m2", ebits=5, mbits=2, max=57344.0, torch_dtype=torch.float8_e5m2)
-FORMATS = {f.name: f for f in (E2M1, E4M3, E5M2)}
 
 
 # ------------------------------------------------------------------------------- scales

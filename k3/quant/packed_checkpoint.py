@@ -26,13 +26,12 @@ import torch
 from k3.config import K3Config
 from k3.model.checkpoint import (DEFAULT_SHARD_BYTES, _keeps_fp32, official_to_state_dict, read_safetensors,
                                  save_pretrained, state_dict_to_official)
-from k3.quant.mx import E2M1, dequantize, quantize
-from k3.quant.targets import is_routed_expert_linear
+from k3.quant.mx import dequantize, quantize
+from k3.quant.targets import WEIGHT_FORMAT, WEIGHT_RULE, is_routed_expert_linear
 
 FORMAT = "mxfp4-pack-quantized"
 PACKED_SUFFIX = ".weight_packed"
 SCALE_SUFFIX = ".weight_scale"
-WEIGHT_RULE = "ceil"  # SPEC §9: the K3 checkpoint rule
 
 # The published `quantization_config` of moonshotai/Kimi-K3 (tests check it against the fixture).
 QUANTIZATION_CONFIG = {
@@ -72,7 +71,7 @@ def pack_tensors(tensors: dict[str, torch.Tensor], *, dtype: torch.dtype | None 
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and is_routed_expert_linear(module):
-            packed, scale = quantize(t.detach(), E2M1, WEIGHT_RULE)
+            packed, scale = quantize(t.detach(), WEIGHT_FORMAT, WEIGHT_RULE)
             out[module + PACKED_SUFFIX], out[module + SCALE_SUFFIX] = packed, scale
         elif dtype is not None and t.is_floating_point() and not _keeps_fp32(name):
             out[name] = t.detach().to(dtype)
@@ -101,7 +100,7 @@ def unpack_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
         if scale.shape[0] != t.shape[0] or scale.shape[1] * 16 != t.shape[1]:
             raise PackedCheckpointError(f"{module}: weight_packed {tuple(t.shape)} (= [out, in/2]) and weight_scale "
                                         f"{tuple(scale.shape)} (= [out, in/32]) disagree")
-        out[module + ".weight"] = dequantize(t, scale, E2M1, dtype)
+        out[module + ".weight"] = dequantize(t, scale, WEIGHT_FORMAT, dtype)
     return out
 
 

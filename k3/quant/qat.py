@@ -19,11 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from k3.quant.mx import BLOCK, E2M1, E4M3, ElementFormat, Rule, fake_quantize
-from k3.quant.targets import is_routed_expert_linear
-
-WEIGHT_FORMAT, WEIGHT_RULE = E2M1, "ceil"
-INPUT_FORMAT, INPUT_RULE = E4M3, "floor"
+from k3.quant.mx import BLOCK, ElementFormat, Rule, fake_quantize
+from k3.quant.targets import INPUT_FORMAT, INPUT_RULE, WEIGHT_FORMAT, WEIGHT_RULE, is_routed_expert_linear
 
 
 class _FakeQuantSTE(torch.autograd.Function):

@@ -12,9 +12,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from k3.quant.mx import E2M1, fake_quantize
-from k3.quant.packed_checkpoint import WEIGHT_RULE
-from k3.quant.targets import is_routed_expert_linear
+from k3.quant.mx import fake_quantize
+from k3.quant.targets import WEIGHT_FORMAT, WEIGHT_RULE, is_routed_expert_linear
 
 _LAYER_AND_KIND = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.\d+\.(w[123])$")
 KINDS = ("w1", "w3", "w2")
@@ -33,7 +32,7 @@ def quantization_report(model: nn.Module) -> list[dict]:
         layer, kind = _LAYER_AND_KIND.search(name).groups()
         layer = int(layer)
         w = module.weight.double()
-        err2 = (w - fake_quantize(module.weight, E2M1, WEIGHT_RULE).double()).pow(2).sum().item()
+        err2 = (w - fake_quantize(module.weight, WEIGHT_FORMAT, WEIGHT_RULE).double()).pow(2).sum().item()
         ref2 = w.pow(2).sum().item()
         for key in ((layer, kind), ("all", kind)):
             sums[key][0] += err2

@@ -1,4 +1,4 @@
-"""Which tensors MX quantization touches (SPEC §9): the routed experts' linears only.
+"""Which tensors MX quantization touches and how (SPEC §9): the routed experts' linears only.
 
 Attention (KDA and MLA), the latent down/up projections and their norm, shared experts, the router,
 the dense layer-0 MLP, embeddings and lm_head stay high precision. Names are our module names
@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import re
 
+from k3.quant.mx import E2M1, E4M3
+
+# Routed-expert weights: MXFP4 with the K3 checkpoint rule e = ceil(log2(amax / 6)) — the packed
+# checkpoint stores them so, and QAT trains on exactly these values.
+WEIGHT_FORMAT, WEIGHT_RULE = E2M1, "ceil"
+# Their inputs under QAT: MXFP8 E4M3 with the OCP floor rule, the on-the-fly activation cast of
+# an MX GEMM (torchao's default); blocks run along the input (reduction) dim.
+INPUT_FORMAT, INPUT_RULE = E4M3, "floor"
 _ROUTED_EXPERT_LINEAR = re.compile(r"(^|\.)block_sparse_moe\.experts\.\d+\.w[123]$")
 
 
