@@ -58,14 +58,14 @@ class ElementFormat:
         """Exponent of the largest power of two <= max (OCP's emax_elem)."""
         return math.floor(math.log2(self.max))
 
-    def magnitudes(self) -> torch.Tensor:
+    def magnitudes(self, device=None) -> torch.Tensor:
         """Non-negative values indexed by their (exponent | mantissa) bits; used for 4-bit codes."""
         values = []
         for code in range(2 ** (self.ebits + self.mbits)):
             exp_field, man = code >> self.mbits, code & (2 ** self.mbits - 1)
             frac = man / 2 ** self.mbits
             values.append(frac * 2.0 ** self.emin if exp_field == 0 else (1 + frac) * 2.0 ** (exp_field - self.bias))
-        return torch.tensor(values, dtype=torch.float32)
+        return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 E2M1 = ElementFormat("e2m1", ebits=2, mbits=1, max=6.0, torch_dtype=None)
@@ -155,7 +155,7 @@ def quantize(x: torch.Tensor, fmt: ElementFormat, rule: Rule = "floor") -> tuple
     elems = elems.flatten(-2)
     if fmt.torch_dtype is not None:
         return elems.to(fmt.torch_dtype), codes  # exact: elems already lie on the format's grid
-    magnitude_index = torch.searchsorted(fmt.magnitudes(), elems.abs()).to(torch.uint8)
+    magnitude_index = torch.searchsorted(fmt.magnitudes(elems.device), elems.abs()).to(torch.uint8)
     nibbles = magnitude_index | (torch.signbit(elems).to(torch.uint8) << 3)
     return pack_fp4(nibbles), codes
 
@@ -171,7 +171,7 @@ def dequantize(elements: torch.Tensor, scales: torch.Tensor, fmt: ElementFormat,
         if elements.dtype != torch.uint8:
             raise TypeError(f"packed {fmt.name} elements must be uint8, got {elements.dtype}")
         nibbles = unpack_fp4(elements)
-        values = fmt.magnitudes()[(nibbles & 0x07).long()]
+        values = fmt.magnitudes(elements.device)[(nibbles & 0x07).long()]
         values = torch.where((nibbles & 0x08).bool(), -values, values)
     if values.shape[-1] != scales.shape[-1] * BLOCK or values.shape[:-1] != scales.shape[:-1]:
         raise ValueError(f"{fmt.name}: elements decode to {tuple(values.shape)}, which does not match "
