@@ -123,7 +123,7 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tu
         later = torch.arange(C, device=q.device)[None, :] // sub > torch.arange(nb, device=q.device)[:, None]
         to_ref = (G[..., None, :, :] - G_ref[..., :, None, :]).masked_fill(~later[:, :, None], float("-inf")).exp()
 
-        def across(x: torch.Tensor) -> torch.Tensor:  # [..., nb(J), C(i), sub(s)] -> [..., nb(I), sub, nb(J), sub]
+        def across(x: torch.Tensor) -> torch.Tensor:  # x [..., C, K] -> [..., nb(I), sub, nb(J), sub], 0 unless I > J
             off = (x[..., None, :, :] * to_ref) @ k_ref.transpose(-1, -2)
             return off.unflatten(-2, (nb, sub)).movedim(-4, -2)
 
