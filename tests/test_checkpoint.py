@@ -69,6 +69,7 @@ def test_round_trip_is_identical_and_names_are_official(tmp_path):
 
 def test_load_rejects_mismatched_checkpoint(tmp_path):
     save_pretrained(K3ForCausalLM(small_config()), tmp_path)
-    other = small_config(num_experts=4)
-    with pytest.raises(KeyError, match="does not match"):
-        load_pretrained(tmp_path, config=other)
+    with pytest.raises(ValueError, match=r"checkpoint shape \(8, 64\) != model shape \(4, 64\)"):
+        load_pretrained(tmp_path, config=small_config(num_experts=4))
+    with pytest.raises(KeyError, match=r"does not match the config: .*unexpected \['model.layers.0.mlp_res_norm"):
+        load_pretrained(tmp_path, config=small_config(attn_res_block_size=None))

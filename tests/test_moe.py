@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from k3.config import K3Config, load_config
-from k3.model.moe import MoEGate, StableLatentMoE, route_and_combine
+from k3.model.moe import MoEGate, StableLatentMoE
 from tests.conftest import KIMI_LINEAR_CONFIG_JSON, assert_rel_close
 
 D = 32
@@ -38,6 +38,12 @@ def randomized(moe: StableLatentMoE) -> StableLatentMoE:
     return moe
 
 
+def expert_forward(moe: StableLatentMoE, e: int, z: torch.Tensor) -> torch.Tensor:
+    """Expert e of the stacked bank written out as its three official Linear weights."""
+    w1, w3, w2 = moe.experts.w1[e], moe.experts.w3[e], moe.experts.w2[e]
+    return w2 @ moe.experts.act(w1 @ z, w3 @ z)
+
+
 def dense_loop(moe: StableLatentMoE, x: torch.Tensor) -> torch.Tensor:
     """SPEC §6 written token by token, routing recomputed independently of MoEGate."""
     cfg_k, rsf, renorm = moe.gate.top_k, moe.gate.routed_scaling_factor, moe.gate.renormalize
@@ -47,7 +53,7 @@ def dense_loop(moe: StableLatentMoE, x: torch.Tensor) -> torch.Tensor:
         chosen = torch.topk(s + moe.gate.e_score_correction_bias, cfg_k).indices
         p = s[chosen] / (s[chosen].sum() if renorm else 1.0) * rsf
         z = moe.routed_expert_down_proj(xt) if moe.is_latent else xt
-        acc = sum(p[j] * moe.experts[int(e)](z) for j, e in enumerate(chosen))
+        acc = sum(p[j] * expert_forward(moe, int(e), z) for j, e in enumerate(chosen))
         if moe.is_latent:
             if moe.routed_expert_norm is not None:
                 acc = moe.routed_expert_norm(acc)
@@ -84,18 +90,19 @@ def test_parameter_names_are_official():
         moe = StableLatentMoE(k3)
     shapes = {n: tuple(t.shape) for n, t in moe.state_dict().items()}
     assert shapes["gate.weight"] == (896, 7168) and shapes["gate.e_score_correction_bias"] == (896,)
-    assert shapes["experts.895.w1.weight"] == (3072, 3584) and shapes["experts.0.w2.weight"] == (3584, 3072)
-    assert shapes["experts.0.w3.weight"] == (3072, 3584)
+    # stacked in memory; the checkpoint writes experts.{e}.w1.weight = w1[e] (tests/test_checkpoint.py)
+    assert shapes["experts.w1"] == (896, 3072, 3584) and shapes["experts.w2"] == (896, 3584, 3072)
+    assert shapes["experts.w3"] == (896, 3072, 3584)
     assert shapes["routed_expert_down_proj.weight"] == (3584, 7168)
     assert shapes["routed_expert_norm.weight"] == (3584,)
     assert shapes["routed_expert_up_proj.weight"] == (7168, 3584)
     assert shapes["shared_experts.gate_proj.weight"] == (6144, 7168)  # 3072 * 2 shared experts
     assert shapes["shared_experts.down_proj.weight"] == (7168, 6144)
-    assert len(shapes) == 2 + 896 * 3 + 3 + 3
+    assert len(shapes) == 2 + 3 + 3 + 3
     kl = StableLatentMoE(kimi_linear_config())
     names = set(kl.state_dict())
     assert not any(n.startswith("routed_expert_") for n in names)
-    assert kl.state_dict()["experts.0.w1.weight"].shape == (24, D)
+    assert kl.state_dict()["experts.w1"].shape[1:] == (24, D)
     assert "gate.e_score_correction_bias" not in dict(kl.named_parameters())  # a buffer: never trained
 
 
@@ -113,8 +120,8 @@ def test_matches_transformers_kimi_linear_moe():
     with torch.no_grad():
         hf.gate.weight.copy_(moe.gate.weight)
         hf.gate.e_score_correction_bias.copy_(moe.gate.e_score_correction_bias)
-        hf.experts.gate_up_proj.copy_(torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in moe.experts]))
-        hf.experts.down_proj.copy_(torch.stack([e.w2.weight for e in moe.experts]))
+        hf.experts.gate_up_proj.copy_(torch.cat([moe.experts.w1, moe.experts.w3], dim=1))
+        hf.experts.down_proj.copy_(moe.experts.w2)
         for n in ("gate_proj", "up_proj", "down_proj"):
             getattr(hf.shared_experts, n).weight.copy_(getattr(moe.shared_experts, n).weight)
     x = torch.randn(3, 11, D)
@@ -151,7 +158,7 @@ def test_renormalization_and_scaling(renormalize):
 def test_router_stays_fp32_and_records_only_in_training():
     moe = StableLatentMoE(latent_config()).to(torch.bfloat16)
     assert moe.gate.weight.dtype == torch.float32 and moe.gate.e_score_correction_bias.dtype == torch.float32
-    assert moe.experts[0].w1.weight.dtype == torch.bfloat16
+    assert moe.experts.w1.dtype == torch.bfloat16
     x = torch.randn(2, 9, D, dtype=torch.bfloat16)
     moe.eval()
     assert moe(x).dtype == torch.bfloat16 and moe.gate.last_scores is None and moe.gate.expert_load is None
@@ -161,14 +168,14 @@ def test_router_stays_fp32_and_records_only_in_training():
     assert moe.gate.expert_load.sum() == 18 * 3 and moe.gate.expert_load.shape == (8,)
 
 
-def test_route_and_combine_skips_idle_experts():
-    experts = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(5))
-    x = torch.randn(6, 4)
-    idx = torch.tensor([[1, 3]] * 6)
-    w = torch.rand(6, 2)
-    out = route_and_combine(x, w, idx, experts)
-    ref = w[:, :1] * experts[1](x) + w[:, 1:] * experts[3](x)
-    assert_rel_close("two active experts", ref, out, 1e-6)
+def test_expert_bank_skips_idle_experts():
+    moe = randomized(StableLatentMoE(latent_config()))
+    z = torch.randn(6, moe.experts.w1.shape[-1])
+    idx = torch.tensor([[1, 3, 6]] * 6)
+    w = torch.rand(6, 3)
+    out = moe.experts(z, w, idx)
+    ref = sum(w[:, j:j + 1] * torch.stack([expert_forward(moe, e, zt) for zt in z]) for j, e in enumerate((1, 3, 6)))
+    assert_rel_close("three active experts", ref, out, 1e-6)
 
 
 def test_empty_batch():
@@ -194,5 +201,5 @@ def test_reset_parameters_restores_init():
     for name in ("gate.weight", "routed_expert_down_proj.weight", "shared_experts.up_proj.weight"):
         std = moe.get_parameter(name).std().item()
         assert abs(std - cfg.initializer_range) < 0.15 * cfg.initializer_range, (name, std)
-    w1 = torch.stack([e.w1.weight for e in moe.experts])
+    w1 = moe.experts.w1
     assert abs(w1.std().item() - cfg.initializer_range) < 0.05 * cfg.initializer_range

@@ -4,7 +4,8 @@ import torch
 from torch.nn import functional as F
 
 from k3.config import K3Config, load_config
-from k3.model.situ import DenseMLP, Expert, glu_activation, silu_glu, situ_glu
+from k3.model.experts import RoutedExperts
+from k3.model.situ import DenseMLP, glu_activation, silu_glu, situ_glu
 from tests.conftest import assert_rel_close
 
 
@@ -53,17 +54,19 @@ def test_ffn_modules_names_shapes_and_math():
     mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg)
     assert {n: tuple(p.shape) for n, p in mlp.named_parameters()} == {
         "gate_proj.weight": (384, 128), "up_proj.weight": (384, 128), "down_proj.weight": (128, 384)}
-    expert = Expert(cfg.moe_hidden_size, cfg.moe_intermediate_size, cfg)
-    assert {n: tuple(p.shape) for n, p in expert.named_parameters()} == {
-        "w1.weight": (96, 64), "w3.weight": (96, 64), "w2.weight": (64, 96)}
+    experts = RoutedExperts(cfg, cfg.moe_hidden_size, cfg.moe_intermediate_size)
+    experts.reset_parameters()
+    assert {n: tuple(p.shape) for n, p in experts.named_parameters()} == {
+        "w1": (16, 96, 64), "w3": (16, 96, 64), "w2": (16, 64, 96)}
     std = mlp.gate_proj.weight.std().item()
     assert abs(std - cfg.initializer_range) < 0.1 * cfg.initializer_range
     x = torch.randn(2, 5, cfg.hidden_size)
     ref = situ_glu(x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T) @ mlp.down_proj.weight.T
     assert_rel_close("DenseMLP", ref, mlp(x), 1e-6)
     z = torch.randn(7, cfg.moe_hidden_size)
-    ref = situ_glu(z @ expert.w1.weight.T, z @ expert.w3.weight.T) @ expert.w2.weight.T
-    assert_rel_close("Expert", ref, expert(z), 1e-6)
+    ref = situ_glu(z @ experts.w1[5].T, z @ experts.w3[5].T) @ experts.w2[5].T
+    out = experts(z, torch.ones(7, 1), torch.full((7, 1), 5))
+    assert_rel_close("routed expert 5", ref, out, 1e-6)
 
 
 def test_bad_activation_is_a_clear_error():

@@ -1,8 +1,9 @@
 """HF-layout checkpoints: config.json + sharded safetensors + model.safetensors.index.json, with the
 official tensor names (SPEC §1: K3 `language_model.model.layers.{i}...`, Kimi Linear
-`model.layers.{i}...`). Our module names ARE the official names, so the table is one prefix; the
-renames and fusions that `transformers` applies when it writes Kimi-Linear checkpoints live in one
-place, `_ALIASES` below. Safetensors only: nothing is ever unpickled.
+`model.layers.{i}...`). Our module names ARE the official names, so the mapping is one prefix plus
+two rules kept here: routed experts are stacked in memory (`experts.w1` [E, I, H]) and split per
+expert in files (`experts.{e}.w1.weight`, k3/model/experts.py), and `_ALIASES` accepts the other
+spellings transformers writes. Safetensors only: nothing is ever unpickled.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from k3.config import K3Config
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
+_EXPERT_FILE_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+
 # Other spellings of official tensors, mapped to ours. transformers 5.24 writes Kimi-Linear
 # checkpoints in the official layout (it splits its fused conv and expert tensors back on save)
 # except for the dense layer-0 MLP, which it writes under `block_sparse_moe.` (SPEC §6 note).
@@ -35,7 +39,12 @@ def state_dict_to_official(model) -> dict[str, torch.Tensor]:
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        out[prefix + name] = tensor
+        stacked = _STACKED_EXPERTS.match(name)
+        if stacked:
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}{stacked.group(1)}.{e}.{stacked.group(2)}.weight"] = tensor[e]
+        else:
+            out[prefix + name] = tensor
     return out
 
 
@@ -51,8 +60,27 @@ def official_to_state_dict(config: K3Config, tensors: dict[str, torch.Tensor]) -
                 continue  # the vision encoder is not part of the text model
             raise KeyError(f"tensor {name!r} lacks the expected prefix {prefix!r}")
         out[name[len(prefix):]] = tensor
+    out = _stack_experts(out)
     if config.tie_word_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """experts.{e}.w1.weight (one per expert) -> experts.w1 [E, ...]; every expert must be present."""
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        m = _EXPERT_FILE_NAME.match(name)
+        if m:
+            groups.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = tensor
+        else:
+            out[name] = tensor
+    for name, per_expert in groups.items():
+        if sorted(per_expert) != list(range(len(per_expert))):
+            missing = sorted(set(range(max(per_expert) + 1)) - set(per_expert))
+            raise KeyError(f"{name}: experts {missing[:8]} missing from the checkpoint")
+        out[name] = torch.stack([per_expert[e] for e in range(len(per_expert))])
     return out
 
 

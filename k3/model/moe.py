@@ -23,7 +23,8 @@ from torch.nn import functional as F
 
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
-from k3.model.situ import DenseMLP, Expert
+from k3.model.experts import RoutedExperts
+from k3.model.situ import DenseMLP
 
 
 class MoEGate(nn.Module):
@@ -74,28 +75,6 @@ class MoEGate(nn.Module):
         return weights, idx
 
 
-def route_and_combine(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
-    """sum_j weights[:, j] * experts[idx[:, j]](x): x [N, D], weights/idx [N, k] -> [N, D].
-
-    Sort-based dispatch: the N*k (token, slot) pairs are sorted by expert, gathered once, and each
-    active expert runs on its contiguous slice; the results go back to (token, slot) order with
-    one index_copy (its backward is a gather) and the k slots are summed in fp32. One gather and
-    one scatter in total, not one per expert: on CPU the per-expert scatters dominated the layer.
-    This is the one place a grouped-GEMM / expert-parallel backend swaps in.
-    """
-    n, k = idx.shape
-    if n == 0:  # e.g. a step where this rank received no tokens
-        return torch.zeros_like(x)
-    flat_expert = idx.flatten()
-    order = torch.argsort(flat_expert, stable=True)
-    counts = torch.bincount(flat_expert, minlength=len(experts)).tolist()
-    chunks = x.index_select(0, order // k).split(counts)
-    y = torch.cat([experts[e](chunk) for e, chunk in enumerate(chunks) if counts[e] > 0])
-    y = y.float() * weights.flatten()[order, None]
-    y = torch.zeros_like(y).index_copy(0, order, y)  # back to (token, slot) order
-    return y.view(n, k, -1).sum(1).to(x.dtype)
-
-
 class StableLatentMoE(nn.Module):
     """The `block_sparse_moe` FFN of layers >= first_k_dense_replace (SPEC §6)."""
 
@@ -106,7 +85,7 @@ class StableLatentMoE(nn.Module):
         self.hidden_size = config.hidden_size
         self.gate = MoEGate(config)
         width = config.moe_hidden_size
-        self.experts = nn.ModuleList(Expert(width, config.moe_intermediate_size, config) for _ in range(config.num_experts))
+        self.experts = RoutedExperts(config, width, config.moe_intermediate_size)
         self.is_latent = config.routed_expert_hidden_size is not None
         if self.is_latent:
             self.routed_expert_down_proj = nn.Linear(config.hidden_size, width, bias=False)
@@ -121,8 +100,7 @@ class StableLatentMoE(nn.Module):
     def reset_parameters(self) -> None:
         """normal(0, initializer_range) for every matrix, zero selection bias, ones for the norm."""
         self.gate.reset_parameters()
-        for expert in self.experts:
-            expert.reset_parameters()
+        self.experts.reset_parameters()
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters()
         if self.is_latent:
@@ -138,7 +116,7 @@ class StableLatentMoE(nn.Module):
         flat = x.reshape(-1, self.hidden_size)
         weights, idx = self.gate(flat)
         z = self.routed_expert_down_proj(flat) if self.is_latent else flat
-        u = route_and_combine(z, weights, idx, self.experts)
+        u = self.experts(z, weights, idx)
         if self.is_latent:
             if self.routed_expert_norm is not None:
                 u = self.routed_expert_norm(u)

@@ -9,7 +9,8 @@ which is why K3 uses it for every FFN; near 0 tanh(x/b)*b ~ x, so it reduces to 
 (the official code does SiTU in fp32) and cast back to the input dtype.
 
 Parameter names are the official checkpoint's (SPEC §6): `gate_proj/up_proj/down_proj` for the
-dense layer-0 MLP and the shared experts, `w1 (gate) / w3 (up) / w2 (down)` for routed experts.
+dense layer-0 MLP and the shared experts; the routed experts (`w1 (gate) / w3 (up) / w2 (down)`)
+are stacked in k3/model/experts.py.
 """
 from __future__ import annotations
 
@@ -72,23 +73,3 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
-
-
-class Expert(nn.Module):
-    """One routed expert w2(act(w1 x, w3 x)) at width config.moe_hidden_size (the latent width
-    for Stable LatentMoE, the hidden width for a classic MoE)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, config: K3Config):
-        super().__init__()
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act = glu_activation(config)
-        self.init_std = config.initializer_range
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        _init_linears(self, self.init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
-        return self.w2(self.act(self.w1(x), self.w3(x)))
