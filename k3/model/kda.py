@@ -28,6 +28,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import KDAState
 from k3.model.norm import RMSNorm, l2_normalize
+from k3.model.precision import KeepsFP32
 from k3.ops.conv import causal_conv1d
 from k3.ops.kda import kda
 
@@ -41,7 +42,9 @@ def a_log_shape(config: K3Config) -> tuple[int, ...]:
     return (H,) if config.gate_lower_bound is not None else (1, 1, H, 1)
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(KeepsFP32):
+    FP32_TENSORS = ("A_log", "dt_bias")  # decay parameters stay fp32 under .to(bf16)
+
     def __init__(self, config: K3Config, layer_idx: int):
         super().__init__()
         self.config = config

@@ -23,16 +23,20 @@ from torch.nn import functional as F
 
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
+from k3.model.precision import KeepsFP32
 from k3.model.experts import RoutedExperts
 from k3.model.situ import DenseMLP
 
 
-class MoEGate(nn.Module):
+class MoEGate(KeepsFP32):
     """Sigmoid top-k router with an aux-loss-free selection bias (`noaux_tc`, DeepSeek-V3 style).
+    Both tensors stay fp32 through a model-wide dtype cast (k3/model/precision.py).
 
     In training mode it keeps (detached) what balancing needs from the last forward:
     `last_scores` [N, E] fp32 and `expert_load` [E] int64 (tokens routed to each expert).
     """
+
+    FP32_TENSORS = ("weight", "e_score_correction_bias")
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -50,16 +54,6 @@ class MoEGate(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
         nn.init.zeros_(self.e_score_correction_bias)
-
-    def _apply(self, fn, recurse=True):
-        # The router stays fp32 through a model-wide dtype cast (SPEC §6 routes in fp32; a bf16
-        # bias would quantize the selection margins ~4e-3 apart), as transformers'
-        # `_keep_in_fp32_modules_strict` does for these two tensors. Device moves still apply.
-        super()._apply(fn, recurse)
-        for t in (self.weight, self.e_score_correction_bias):
-            if t.dtype != torch.float32 and t.is_floating_point():
-                t.data = t.data.float()
-        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert indices [N, k] int64)."""
