@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from k3.config import K3Config
-from k3.model.checkpoint import INDEX_NAME
+from k3.model.checkpoint import INDEX_NAME, state_dict_to_official
+from k3.model.experts import RoutedExperts
 from k3.model.transformer import K3ForCausalLM
 from k3.quant.mx import E2M1, fake_quantize
 from k3.quant.packed_checkpoint import (QUANTIZATION_CONFIG, PackedCheckpointError, load_packed, save_packed,
@@ -26,9 +27,10 @@ def with_quantized_experts(model: K3ForCausalLM) -> K3ForCausalLM:
     out = randomized(K3ForCausalLM(model.config))
     out.load_state_dict(model.state_dict())
     with torch.no_grad():
-        for name, module in out.named_modules():
-            if is_routed_expert_linear(name):
-                module.weight.copy_(fake_quantize(module.weight, E2M1, "ceil"))
+        for module in out.modules():
+            if isinstance(module, RoutedExperts):
+                for w in (module.w1, module.w3, module.w2):  # [E, out, in]: blocks run along `in`
+                    w.copy_(fake_quantize(w, E2M1, "ceil"))
     return out.eval()
 
 
@@ -68,8 +70,8 @@ def test_round_trip_tiny_model(tmp_path):
     assert "quantization_config" not in loaded.config.to_dict()["text_config"], "the loaded model is dense"
 
     # and within the error the format implies: no worse than the worst expert weight's own MXFP4 error
-    weight_err = max(rel_err(p, fake_quantize(p, E2M1, "ceil"))
-                     for n, p in model.named_parameters() if is_routed_expert_linear(n.removesuffix(".weight")))
+    weight_err = max(rel_err(w, fake_quantize(w, E2M1, "ceil")) for n, w in state_dict_to_official(model).items()
+                     if is_routed_expert_linear(n.removesuffix(".weight")))
     assert 0.05 < weight_err < 0.2  # E2M1 on Gaussian weights
     assert rel_err(ref, loaded(ids)) <= weight_err
 
@@ -132,7 +134,7 @@ def test_official_layout_loads(tmp_path):
     model = load_packed(tmp_path).eval()
     expert = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
     packed, scale = tensors[expert + ".weight_packed"], tensors[expert + ".weight_scale"]
-    w = model.model.layers[1].block_sparse_moe.experts[3].w2.weight
+    w = model.model.layers[1].block_sparse_moe.experts.w2[3]
     assert w.shape == (L, inter) and w.dtype == torch.bfloat16
     for row, col in [(0, 0), (0, 1), (5, 33), (L - 1, inter - 2), (L - 1, inter - 1)]:
         nibble = (packed[row, col // 2].item() >> (4 * (col % 2))) & 0xF  # even column: low nibble

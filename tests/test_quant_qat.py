@@ -13,48 +13,76 @@ from torch.nn import functional as F
 from k3.model.transformer import K3ForCausalLM
 from k3.quant.mx import E2M1, E4M3, fake_quantize
 from k3.quant.packed_checkpoint import load_packed, save_packed
-from k3.quant.qat import MXQATLinear, apply_qat
-from k3.quant.targets import is_routed_expert_linear
+from k3.model.experts import RoutedExperts
+from k3.quant.qat import MXQATExperts, apply_qat, fake_quantize_ste
+from tests.conftest import assert_rel_close
 from tests.test_model import randomized, small_config
 
 
-def test_apply_qat_swaps_routed_experts_only():
+def test_apply_qat_converts_routed_experts_only():
     model = randomized(K3ForCausalLM(small_config()))
     cfg = model.config
     before = dict(model.named_parameters())
+    modules_before = {n: type(m) for n, m in model.named_modules()}
     ids = torch.randint(0, cfg.vocab_size, (1, 16))
     dense_logits = model(ids)
-    swapped = apply_qat(model)
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    assert swapped == moe_layers * cfg.num_experts * 3
+    converted = apply_qat(model)
+    assert converted == sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     for name, module in model.named_modules():
-        assert isinstance(module, MXQATLinear) == is_routed_expert_linear(name), name
+        # only the expert banks change class; attention, latent projections, shared experts, router stay
+        want = MXQATExperts if modules_before[name] is RoutedExperts else modules_before[name]
+        assert type(module) is want, name
     after = dict(model.named_parameters())
     assert before.keys() == after.keys() and all(before[n] is after[n] for n in before), "same Parameter objects"
     assert apply_qat(model) == 0, "idempotent"
     assert not torch.equal(model(ids), dense_logits)
-    with pytest.raises(ValueError, match="no routed-expert linears"):
+    with pytest.raises(ValueError, match="no routed experts"):
         apply_qat(nn.Sequential(nn.Linear(32, 32)))
 
 
-def test_qat_linear_forward_and_straight_through_gradients():
-    linear = nn.Linear(64, 96, bias=False)
-    qat = MXQATLinear.from_linear(linear)
+def test_straight_through_estimator():
+    x = (torch.randn(4, 64) * 500).requires_grad_()  # large enough that E4M3 saturates some elements
+    y = fake_quantize_ste(x, E4M3, "floor")
+    assert torch.equal(y, fake_quantize(x.detach(), E4M3, "floor"))
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.equal(x.grad, g), "identity gradient, saturated elements included"
+
+
+def _expert_reference(x, w1, w3, w2, act):
+    """One expert, written out: an MXFP8 (E4M3) straight-through cast on every matmul input."""
+    q = lambda t: fake_quantize_ste(t, E4M3, "floor")  # noqa: E731
+    h = act(F.linear(q(x), w1), F.linear(q(x), w3))
+    return F.linear(q(h), w2)
+
+
+def test_qat_experts_forward_and_straight_through_gradients():
+    cfg = small_config(num_experts=3)
+    bank = RoutedExperts(cfg, 64, 96)
+    bank.reset_parameters()
+    act = bank.act
+    MXQATExperts.convert(bank)
+    counts = torch.tensor([2, 0, 3])
     x = (torch.randn(5, 64) * 3).requires_grad_()
-    y = qat(x)
-    # forward: exactly fq_E4M3(x) @ fq_MXFP4(W)^T
-    xq = fake_quantize(x.detach(), E4M3, "floor").requires_grad_()
-    wq = fake_quantize(linear.weight.detach(), E2M1, "ceil").requires_grad_()
-    y_ref = F.linear(xq, wq)
+    y = bank.run_sorted(x, counts)
+    # forward: each expert computes with fq_MXFP4 weights and fq_E4M3 inputs
+    wq = [fake_quantize(w.detach(), E2M1, "ceil").requires_grad_() for w in (bank.w1, bank.w3, bank.w2)]
+    xr = x.detach().requires_grad_()
+    rows = [_expert_reference(xr[:2], wq[0][0], wq[1][0], wq[2][0], act),
+            _expert_reference(xr[2:], wq[0][2], wq[1][2], wq[2][2], act)]
+    y_ref = torch.cat(rows)
     assert torch.equal(y, y_ref)
-    # backward: the gradients at the quantized point, passed straight through
+    # backward: the gradients at the quantized point, passed straight through the casts
     g = torch.randn_like(y)
     y.backward(g)
     y_ref.backward(g)
-    assert torch.equal(x.grad, xq.grad)
-    assert torch.equal(qat.weight.grad, wq.grad)
+    # (the bank casts x once for w1 and w3, the reference twice: sums differ in the last bits)
+    assert_rel_close("dx", xr.grad, x.grad, 1e-6)
+    for name, w, ref in zip(("dw1", "dw3", "dw2"), (bank.w1, bank.w3, bank.w2), wq):
+        assert_rel_close(name, ref.grad, w.grad, 1e-6)
+    assert bank.w1.grad[1].abs().sum() == 0, "expert 1 got no tokens"
     with pytest.raises(ValueError, match="divisible by 32"):
-        MXQATLinear.from_linear(nn.Linear(48, 8))
+        MXQATExperts.convert(RoutedExperts(cfg, 48, 64))
 
 
 # ----------------------------------------------------------------------- a short QAT run

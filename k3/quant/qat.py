@@ -1,26 +1,29 @@
 """Quantization-aware training for the routed experts (SPEC §9): MXFP4 weights, MXFP8 activations.
 
-`apply_qat(model)` replaces every routed-expert nn.Linear (`...block_sparse_moe.experts.{e}.w1/w2/
-w3`, k3/quant/targets.py) by `MXQATLinear`, which keeps the SAME weight Parameter (optimizers built
-before the swap keep working) and in its forward
-  - fake-quantizes the weight to MXFP4 (E2M1) with the K3 checkpoint rule e = ceil(log2(amax/6)),
-    blocks of 32 along the input dim: exactly what `save_packed` writes, so the exported model
-    holds the trained weights bit for bit;
-  - fake-quantizes the input to MXFP8 (E4M3) with the OCP floor rule, blocks of 32 along the
-    input (reduction) dim: the on-the-fly activation cast of an MX GEMM (torchao's default);
+`apply_qat(model)` turns every routed-expert bank (`k3.model.experts.RoutedExperts`, stacked
+w1/w3 [E, I, H] and w2 [E, H, I]) into an `MXQATExperts`, in place. Its forward
+  - fake-quantizes w1, w3, w2 to MXFP4 (E2M1) with the K3 checkpoint rule e = ceil(log2(amax/6)),
+    blocks of 32 along each matrix's input dim: exactly what `save_packed` writes per expert, so
+    the exported model holds the trained weights bit for bit;
+  - fake-quantizes the inputs of all three matmuls (x for w1/w3, the GLU output for w2) to MXFP8
+    (E4M3) with the OCP floor rule, blocks of 32 along the input (reduction) dim: the on-the-fly
+    activation cast of an MX GEMM;
   - passes gradients straight through both (STE): d fq(x) / dx := 1.
-Everything else (attention, latent projections, shared experts, router, lm_head) stays in high
-precision and the model code does not change. `reset_parameters` still finds these modules: they
-are nn.Linear.
+Attention, latent projections, shared experts, router and lm_head stay in high precision, and
+the model code does not change: the bank exposes `weights()` / `inputs()` for exactly this.
+The swap changes the module's class only, so every Parameter keeps its identity (an optimizer
+built before `apply_qat` keeps working) and state-dict names do not move.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from k3.model.experts import RoutedExperts
 from k3.quant.mx import BLOCK, ElementFormat, Rule, fake_quantize
-from k3.quant.targets import INPUT_FORMAT, INPUT_RULE, WEIGHT_FORMAT, WEIGHT_RULE, is_routed_expert_linear
+from k3.quant.targets import INPUT_FORMAT, INPUT_RULE, WEIGHT_FORMAT, WEIGHT_RULE
 
 
 class _FakeQuantSTE(torch.autograd.Function):
@@ -40,34 +43,41 @@ def fake_quantize_ste(x: torch.Tensor, fmt: ElementFormat, rule: Rule) -> torch.
     return _FakeQuantSTE.apply(x, fmt, rule)
 
 
-class MXQATLinear(nn.Linear):
-    """y = fq_E4M3(x) @ fq_MXFP4(W)^T (+ bias), straight-through gradients."""
+def _quantize_input(x: torch.Tensor) -> torch.Tensor:
+    return fake_quantize_ste(x, INPUT_FORMAT, INPUT_RULE)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = fake_quantize_ste(self.weight, WEIGHT_FORMAT, WEIGHT_RULE)
-        x = fake_quantize_ste(x, INPUT_FORMAT, INPUT_RULE)
-        return F.linear(x, w, self.bias)
+
+def _glu_then_quantize(gate: torch.Tensor, up: torch.Tensor, *, act) -> torch.Tensor:
+    """The GLU output is w2's input: it gets the same MXFP8 cast as x."""
+    return _quantize_input(act(gate, up))
+
+
+class MXQATExperts(RoutedExperts):
+    """RoutedExperts computing with MXFP4 weights and MXFP8 matmul inputs, straight-through."""
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(fake_quantize_ste(w, WEIGHT_FORMAT, WEIGHT_RULE) for w in (self.w1, self.w3, self.w2))
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return _quantize_input(x)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "MXQATLinear":
-        if linear.in_features % BLOCK:
-            raise ValueError(f"MX QAT needs in_features divisible by {BLOCK}, got {linear.in_features}")
-        with torch.device("meta"):  # no throwaway allocation; the original parameters are moved in
-            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        new.weight = linear.weight
-        new.bias = linear.bias
-        return new
+    def convert(cls, experts: RoutedExperts) -> None:
+        """Make `experts` an MXQATExperts in place (same attributes, same Parameters)."""
+        for name, w in (("w1", experts.w1), ("w3", experts.w3), ("w2", experts.w2)):
+            if w.shape[-1] % BLOCK:
+                raise ValueError(f"MX QAT needs expert input widths divisible by {BLOCK}; {name} is {tuple(w.shape)}")
+        experts.__class__ = cls
+        experts.act = functools.partial(_glu_then_quantize, act=experts.act)
 
 
 def apply_qat(model: nn.Module) -> int:
-    """Swap the routed experts' linears for MXQATLinear in place; returns how many were swapped.
+    """Turn every routed-expert bank into MXQATExperts in place; returns how many were converted.
     Idempotent. Raises if the model has no routed experts (nothing would be quantized)."""
-    targets = [(name, m) for name, m in model.named_modules()
-               if is_routed_expert_linear(name) and type(m) is nn.Linear]
-    already = sum(isinstance(m, MXQATLinear) for m in model.modules())
-    if not targets and not already:
-        raise ValueError("apply_qat: the model has no routed-expert linears (block_sparse_moe.experts.{e}.w1/w2/w3)")
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, MXQATLinear.from_linear(linear))
-    return len(targets)
+    banks = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    if not banks:
+        raise ValueError("apply_qat: the model has no routed experts (block_sparse_moe.experts)")
+    todo = [m for m in banks if not isinstance(m, MXQATExperts)]
+    for experts in todo:
+        MXQATExperts.convert(experts)
+    return len(todo)

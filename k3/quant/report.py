@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from k3.model.checkpoint import state_dict_to_official
 from k3.quant.mx import fake_quantize
 from k3.quant.targets import WEIGHT_FORMAT, WEIGHT_RULE, is_routed_expert_linear
 
@@ -22,17 +23,18 @@ KINDS = ("w1", "w3", "w2")
 @torch.no_grad()
 def quantization_report(model: nn.Module) -> list[dict]:
     """[{layer, experts, w1, w3, w2, worst, worst_name}, ...] in layer order, plus a final row
-    with layer "all" pooling every expert matrix."""
+    with layer "all" pooling every expert matrix. Reads the per-expert official tensors."""
     sums = defaultdict(lambda: [0.0, 0.0])  # (layer, kind) -> [sum err^2, sum w^2]
     counts: dict[int, int] = defaultdict(int)
     worst: dict[int, tuple[float, str]] = {}
-    for name, module in model.named_modules():
-        if not is_routed_expert_linear(name):
+    for name, weight in state_dict_to_official(model).items():
+        module = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and is_routed_expert_linear(module)):
             continue
-        layer, kind = _LAYER_AND_KIND.search(name).groups()
+        layer, kind = _LAYER_AND_KIND.search(module).groups()
         layer = int(layer)
-        w = module.weight.double()
-        err2 = (w - fake_quantize(module.weight, WEIGHT_FORMAT, WEIGHT_RULE).double()).pow(2).sum().item()
+        w = weight.double()
+        err2 = (w - fake_quantize(weight, WEIGHT_FORMAT, WEIGHT_RULE).double()).pow(2).sum().item()
         ref2 = w.pow(2).sum().item()
         for key in ((layer, kind), ("all", kind)):
             sums[key][0] += err2
@@ -40,7 +42,7 @@ def quantization_report(model: nn.Module) -> list[dict]:
         counts[layer] += kind == "w1"
         rel = (err2 / max(ref2, 1e-300)) ** 0.5
         if rel > worst.get(layer, (-1.0, ""))[0]:
-            worst[layer] = (rel, name)
+            worst[layer] = (rel, module)
     if not counts:
         raise ValueError("the model has no routed experts to quantize")
     rows = []
@@ -49,10 +51,7 @@ def quantization_report(model: nn.Module) -> list[dict]:
         for kind in KINDS:
             err2, ref2 = sums[(layer, kind)]
             row[kind] = (err2 / max(ref2, 1e-300)) ** 0.5
-        if layer == "all":
-            rel, name = max(worst.values())
-        else:
-            rel, name = worst[layer]
+        rel, name = max(worst.values()) if layer == "all" else worst[layer]
         row.update(worst=rel, worst_name=name)
         rows.append(row)
     return rows

@@ -1,9 +1,9 @@
 """Which tensors MX quantization touches and how (SPEC §9): the routed experts' linears only.
 
 Attention (KDA and MLA), the latent down/up projections and their norm, shared experts, the router,
-the dense layer-0 MLP, embeddings and lm_head stay high precision. Names are our module names
-(= the official names without the `language_model.` prefix): `...block_sparse_moe.experts.{e}.w1`
-(gate), `w3` (up), `w2` (down).
+the dense layer-0 MLP, embeddings and lm_head stay high precision. Names are the per-expert names
+of the checkpoint files (`state_dict_to_official`; in memory the bank is stacked, k3/model/
+experts.py): `...block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down).
 """
 from __future__ import annotations
 
