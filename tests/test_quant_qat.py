@@ -100,7 +100,7 @@ RUNS = {
     # k3-tiny itself: the acceptance run (minutes on a busy 2-core CPU)
     "k3-tiny": pytest.param(dict(config="k3-tiny", steps=20, batch_size=4, seq_len=64), marks=pytest.mark.slow),
     # the same check on the test suite's small config, fast enough for every run
-    "small": dict(config=None, steps=4, batch_size=2, seq_len=32),
+    "small": dict(config=None, steps=3, batch_size=2, seq_len=32),
 }
 
 
@@ -115,8 +115,10 @@ def _small_corpus(path):
 
 
 @pytest.mark.parametrize("run", list(RUNS.values()), ids=list(RUNS))
-def test_qat_run_tracks_dense_and_export_serves_it_exactly(run, tmp_path, tmp_path_factory):
-    eval_windows = 4
+def test_qat_run_tracks_dense_and_export_serves_it_exactly(run, request, tmp_path, tmp_path_factory):
+    if request.node.get_closest_marker("slow") and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the k3-tiny acceptance run takes minutes: select it with -m slow")
+    eval_windows = 2
     common = dict(run, seed=0, lr=4e-3, eval_windows=eval_windows,
                   cache_dir=str(tmp_path_factory.getbasetemp() / "k3-cache"))
     if common["config"] is None:
