@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
     p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
     p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
+    p.add_argument("--qat", action="store_true", default=None,
+                   help="quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")
     p.add_argument("--eval-every", type=int, help=f"steps between evals and samples (default {d.eval_every})")
     p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
     p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep})")

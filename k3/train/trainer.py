@@ -54,7 +54,7 @@ class TrainSettings:
     overrides: dict = dataclasses.field(default_factory=dict)  # K3Config fields to change, e.g. {"num_hidden_layers": 4}
     data: str | None = None  # None: the bundled Shakespeare corpus
     out: str | None = None  # run folder; None: runs/<config>-<timestamp>
-    steps: int = 600
+    steps: int = 250
     batch_size: int = 8  # sequences per optimizer step, over all ranks and micro-batches
     seq_len: int = 256
     grad_accum: int = 1
@@ -63,12 +63,13 @@ class TrainSettings:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     balance: str = "quantile"  # quantile | histogram | sign | none
+    qat: bool = False  # MXFP4/MXFP8 quantization-aware training of the routed experts (k3.quant.qat)
     val_fraction: float = 0.02  # the bundled corpus: 1 of 42 works
-    eval_every: int = 200
+    eval_every: int = 100
     eval_windows: int = 16  # windows of the periodic eval; the final eval reads all of val
     sample_tokens: int = 80
     sample_prompts: tuple[str, ...] = ("To be, or not to be", "KING.\n")
-    ckpt_every: int = 200
+    ckpt_every: int = 100
     keep: int = 3
     seed: int = 0
     device: str = "cpu"
@@ -177,6 +178,10 @@ class Trainer:
 
         torch.manual_seed(settings.seed)
         model = K3ForCausalLM(self.config).to(self.world.device)
+        if settings.qat:
+            from k3.quant.qat import apply_qat
+
+            apply_qat(model)
         self.params = count_parameters(self.config)
         self.model = shard_model(model, self.world) if self.world.distributed else model
         self.optimizer = PerHeadMuon(param_groups(self.model, self.config, weight_decay=settings.weight_decay),
