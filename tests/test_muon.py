@@ -60,7 +60,7 @@ def test_parameter_routing_k3_tiny():
     assert route["model.layers.3.self_attn.g_proj.weight"] == Blocks(0, cfg.v_head_dim)
     assert route["model.layers.3.self_attn.o_proj.weight"] == Blocks(1, cfg.v_head_dim)
     assert route["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] == Blocks()
-    assert route["model.layers.1.block_sparse_moe.experts.0.w1.weight"] == Blocks()
+    assert route["model.layers.1.block_sparse_moe.experts.w1"] == Blocks()  # stacked [E, I, H]: per expert
     assert route["model.layers.1.block_sparse_moe.gate.weight"] == Blocks()
     for adamw in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.A_log",
                   "model.layers.0.self_attn.dt_bias", "model.layers.0.self_attn.q_conv1d.weight",

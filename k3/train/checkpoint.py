@@ -22,6 +22,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from k3.model.checkpoint import official_to_state_dict, read_safetensors, save_pretrained
+from k3.model.checkpoint import official_to_state_dict, read_safetensors, save_pretrained, state_dict_to_official
 
 STEP_DIR = re.compile(r"^step_(\d{7})$")
 TRAINER_STATE = "trainer_state.json"
@@ -74,10 +75,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, tra
             shutil.rmtree(stale, ignore_errors=True)
         tmp = ckpt_root / f".{final.name}.tmp"
         tmp.mkdir()
-        config = model.config
-        tensors = {config.checkpoint_prefix + k: v for k, v in model_sd.items()
-                   if not (config.tie_word_embeddings and k == "lm_head.weight")}
-        save_pretrained(model, tmp, tensors=tensors)
+        # official names from the gathered (full) state dict, not from the possibly sharded module
+        full = SimpleNamespace(config=model.config, state_dict=lambda: model_sd)
+        save_pretrained(model, tmp, tensors=state_dict_to_official(full))
         write_extras(tmp)
         opt_tensors, groups = _flatten_optimizer(optim_sd)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))

@@ -7,7 +7,7 @@ Per-Head Muon (K3, SPEC §8/§12.6): the projections that produce or consume att
 orthogonalized head block by head block — row blocks for the weights that produce heads (KDA
 q/k/v/g, MLA q_b (or q), kv_b, g), column blocks for the o_proj that consumes them — and the
 scale comes from the block's shape. Every other 2-D weight is orthogonalized whole (router,
-experts, dense FFN, low-rank factors). Embeddings, lm_head, norms, biases, A_log, dt_bias, the
+each routed expert of a stacked bank, dense FFN, low-rank factors). Embeddings, lm_head, norms, biases, A_log, dt_bias, the
 AttnRes pseudo-queries (`*_res_proj`) and non-matrix weights (convs [C, 1, W]) use AdamW.
 The router's `e_score_correction_bias` is a buffer moved by balancing, never by this optimizer.
 
@@ -33,6 +33,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # KellerJordan's quintic, SPEC §8
 NS_STEPS = 5
 NS_EPS = 1e-7
 _LAYER_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.weight$")
+_EXPERT_BANK = re.compile(r"\.experts\.w[123]$")  # stacked routed experts [E, out, in] (k3/model/experts.py)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,10 @@ class Blocks:
 
 
 def head_blocks(config: K3Config, name: str, param: torch.Tensor) -> Blocks | None:
-    """The Muon block structure of a parameter, or None when it belongs to AdamW."""
+    """The Muon block structure of a parameter, or None when it belongs to AdamW. A stacked expert
+    bank [E, out, in] is E matrices, each orthogonalized whole."""
+    if param.dim() == 3 and _EXPERT_BANK.search(name):
+        return Blocks()
     if param.dim() != 2 or name.endswith("_res_proj.weight") or "embed_tokens" in name or name.startswith("lm_head"):
         return None
     match = _LAYER_PROJ.search(name)
