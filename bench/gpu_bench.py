@@ -1,0 +1,478 @@
+"""GPU benchmarks of issue #5: what k3 does with one H200, against the ceilings measured in the same run.
+
+    python bench/gpu_bench.py [--smoke] [--only train,kda,decode,moe]
+
+- train:  one training step of k3-1b at 4096 tokens per sequence (bf16 autocast, fp32 weights,
+          fused AdamW), tokens/s and MFU against the measured bf16 matmul rate and the 989 TFLOP/s
+          datasheet rate. FLOPs per token (stated in docs/BENCHMARKS.md too):
+              6 * N_active                                  (N_active: k3/model/params.py — the
+                                                             embedding excluded, lm_head and router in)
+            + per MLA layer: 3 * T * H * (d_qk + d_v)       (causal: each query sees T/2 keys on
+                                                             average, 2 FLOPs per multiply-add for
+                                                             QK^T and PV; backward = 2x forward)
+            + per KDA layer: 3 * H * (6 d^2 + 3 C d + C^2)  (Kimi Linear paper per head per token,
+                                                             forward 6Td^2 + 3TCd + TC^2; x3 fwd+bwd)
+- kda:    forward + backward of one layer, batch 1, T = 4K, 16K, 64K, bf16: k3's
+          KimiDeltaAttention (fla path), fla's own `fla.layers.KimiDeltaAttention` (same heads and
+          dims, K3 gate: safe_gate, lower bound -5), the bare KDA op (k3 -> fla chunk_kda, and
+          chunk_kda with safe_gate=True), k3's gated MLA layer, and causal SDPA with the same
+          heads (d=128): ms, achieved TFLOP/s and ratios.
+- decode: tokens/s of k3-1b (bf16, absorbed MLA) at batch 1, 8, 64 and context 1K..128K, the cache
+          built directly with random states and latents of the right size, against the bandwidth
+          bound (bytes a step must read: weights incl. the expected distinct routed experts, KDA
+          states read + written, MLA latents read; / measured copy bandwidth), and an all-MLA
+          variant of the same model.
+- moe:    the routed-expert bank, grouped_mm vs the per-expert loop, fwd+bwd at training size and
+          forward at decode size.
+Each size runs only while the section's deadline allows; what is skipped is recorded as skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.ceilings import H200_BF16_DENSE_TFLOPS, measure, median_ms  # noqa: E402
+from bench.gpu_checks import per_expert_loop  # noqa: E402
+from k3.config import K3Config, load_config  # noqa: E402
+from k3.model.cache import K3Cache, KDAState  # noqa: E402
+from k3.model.experts import RoutedExperts, _grouped_mm_available  # noqa: E402
+from k3.model.kda import KimiDeltaAttention  # noqa: E402
+from k3.model.mla import GatedMLA  # noqa: E402
+from k3.model.params import count_parameters  # noqa: E402
+from k3.model.transformer import K3ForCausalLM  # noqa: E402
+from k3.ops.kda import fla_backend, kda  # noqa: E402
+
+Record = Callable[[dict], None]
+GB = 1e9
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _say(record: Record, entry: dict) -> None:
+    record(entry)
+    shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in entry.items() if k not in ("kind",)}
+    print(" ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+
+
+def _skip(record: Record, bench: str, name: str, why: str) -> None:
+    _say(record, {"kind": "bench", "bench": bench, "name": name, "status": "skipped", "note": why})
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def kda_flops_per_token(cfg: K3Config) -> float:
+    """Forward + backward FLOPs per token of one KDA layer's recurrence (Kimi Linear paper, x3)."""
+    d, C = cfg.kda_head_dim, cfg.kda_chunk_size
+    return 3 * cfg.kda_num_heads * (6 * d * d + 3 * C * d + C * C)
+
+
+def causal_attention_flops(T: int, H: int, d_qk: int, d_v: int) -> float:
+    """Forward + backward FLOPs of causal softmax attention over one sequence of T tokens:
+    forward 2 FLOPs x T^2/2 (query, key) pairs x H x (d_qk + d_v) for QK^T and PV; backward 2x."""
+    return 3 * T * T * H * (d_qk + d_v)
+
+
+def mla_flops_per_token(cfg: K3Config, T: int) -> float:
+    """Per token of one MLA layer at length T: 3 T H (d_qk + d_v)."""
+    return causal_attention_flops(T, cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim) / T
+
+
+def train_flops_per_token(cfg: K3Config, T: int) -> dict:
+    active = count_parameters(cfg)["active"]
+    parts = {"matmul_6N": 6 * active, "mla_attention": cfg.num_mla_layers * mla_flops_per_token(cfg, T),
+             "kda_recurrence": cfg.num_kda_layers * kda_flops_per_token(cfg)}
+    return {"active_params": active, **parts, "total": sum(parts.values())}
+
+
+# ----------------------------------------------------------------------------- (1) training step
+def bench_train(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
+    # If checks:moe saw grouped_mm fail (e.g. a device-side assert in its backward), train on the loop.
+    forced_loop = not known.get("grouped_mm_ok", True)
+    with per_expert_loop() if forced_loop else contextlib.nullcontext():
+        _train(device, smoke, known, record, deadline,
+               "bf16 autocast, fp32 weights, fused AdamW" + ("; per-expert loop forced" if forced_loop else ""))
+
+
+def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float, note: str) -> None:
+    cfg = load_config("k3-tiny" if smoke else "k3-1b")
+    T = 64 if smoke else 4096
+    model = K3ForCausalLM(cfg).to(device).train()  # fp32 master weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step(ids: torch.Tensor) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(ids[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def batch(b: int) -> torch.Tensor:
+        return torch.randint(0, cfg.vocab_size, (b, T + 1), device=device)
+
+    probe = 1
+    try:
+        step(batch(probe))
+    except RuntimeError as exc:
+        if "dtype" not in str(exc):
+            raise
+        # torch._grouped_mm is not autocast-aware (pytorch#174763): bf16 activations meet fp32
+        # expert weights. Measure what runs: the routed-expert banks held in bf16.
+        _say(record, {"kind": "bench", "bench": "train", "name": "autocast as written", "status": "error",
+                      "note": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        for module in model.modules():
+            if isinstance(module, RoutedExperts):
+                module.to(torch.bfloat16)
+        opt.zero_grad(set_to_none=True)
+        note += "; routed experts in bf16 (workaround: grouped_mm under autocast)"
+        step(batch(probe))
+    B = probe
+    if device.type == "cuda":
+        # Size the batch from the probe's memory: static (weights, AdamW state) + per sequence.
+        static = torch.cuda.memory_allocated()
+        per_seq = max(torch.cuda.max_memory_allocated() - static, 1) / probe
+        total = torch.cuda.get_device_properties(device).total_memory
+        B = max(1, min(32, 2 ** int(math.log2(max(1.0, (0.8 * total - static) / per_seq)))))
+    else:
+        B = 2
+    while True:
+        try:
+            ids = batch(B)
+            _free(device)
+            step(ids)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if B == 1:
+                raise
+            B //= 2
+    peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
+    if time.monotonic() > deadline - 10:
+        _skip(record, "train", f"k3-1b T{T} B{B}", "time budget after batch sizing")
+        return
+    ms = median_ms(lambda: step(ids), device, warmup_ms=1, rep_ms=3000 if not smoke else 200)
+    flops = train_flops_per_token(cfg, T)
+    tokens_per_s = B * T / (ms / 1e3)
+    achieved = tokens_per_s * flops["total"] / 1e12
+    _say(record, {"kind": "bench", "bench": "train", "name": f"{'k3-tiny' if smoke else 'k3-1b'} T{T} B{B}",
+                  "status": "ok", "ms_per_step": ms, "tokens_per_s": tokens_per_s, "tflops": achieved,
+                  "mfu_measured_ceiling": achieved / known["matmul_bf16_tflops"],
+                  "mfu_datasheet": achieved / H200_BF16_DENSE_TFLOPS, "peak_mem_gb": peak,
+                  "flops_per_token": flops, "note": note})
+
+
+# ----------------------------------------------------------------------------- (2) KDA vs attention layers
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], Callable[[], None]]  # allocates inputs, returns the timed fwd+bwd
+    flops: float  # one fwd+bwd under this file's conventions; 0 where none is stated (whole layers)
+    quadratic: bool  # cost grows as T^2 (attention) rather than T
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
+    """One forward and backward; gradients returned, not accumulated, so repeats do equal work."""
+    def run() -> None:
+        out = fn()
+        torch.autograd.grad(out, leaves, torch.randn_like(out))
+    return run
+
+
+def _layer(layer: torch.nn.Module, x: torch.Tensor, pick: Callable = lambda y: y) -> Callable[[], None]:
+    return _fwd_bwd(lambda: pick(layer(x)), [x, *layer.parameters()])
+
+
+def _op(op: Callable, inputs: list[torch.Tensor]) -> Callable[[], None]:
+    return _fwd_bwd(lambda: op(*inputs), inputs)
+
+
+def _kda_inputs(T: int, H: int, K: int, device) -> list[torch.Tensor]:
+    """Layer-like KDA op inputs: unit q/k, K3 gate in (-5, 0) kept fp32 as the layer passes it."""
+    bf16 = torch.bfloat16
+    q = F.normalize(torch.randn(1, T, H, K, device=device), dim=-1).to(bf16)
+    k = F.normalize(torch.randn(1, T, H, K, device=device), dim=-1).to(bf16)
+    v = torch.randn(1, T, H, K, device=device, dtype=bf16)
+    g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, device=device))
+    beta = torch.sigmoid(torch.randn(1, T, H, device=device)).to(bf16)
+    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+
+def _fla_layer(cfg: K3Config) -> torch.nn.Module:
+    """flash-linear-attention's own layer (fla.layers ships in the flash-linear-attention wheel,
+    not fla-core) with k3-1b's heads and dims and the K3 gate (safe_gate, lower bound -5)."""
+    from fla.layers import KimiDeltaAttention as FlaKimiDeltaAttention
+
+    return FlaKimiDeltaAttention(hidden_size=cfg.hidden_size, head_dim=cfg.kda_head_dim,
+                                 num_heads=cfg.kda_num_heads, safe_gate=True, lower_bound=cfg.gate_lower_bound,
+                                 conv_size=cfg.short_conv_kernel_size, layer_idx=0, norm_eps=cfg.rms_norm_eps)
+
+
+def _fla_safe_gate(q, k, v, g, beta):
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)[0]
+
+
+def _sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def kda_cases(cfg: K3Config, T: int, device: torch.device, fla: bool) -> list[Case]:
+    D, H, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+    bf16 = torch.bfloat16
+    impl = "fla" if fla else "chunk"
+
+    def x() -> torch.Tensor:
+        return torch.randn(1, T, D, device=device, dtype=bf16, requires_grad=True)
+
+    def heads() -> list[torch.Tensor]:
+        return [torch.randn(1, H, T, K, device=device, dtype=bf16, requires_grad=True) for _ in range(3)]
+
+    kda_flops = T * kda_flops_per_token(cfg)
+    cases = [
+        Case(f"k3 KimiDeltaAttention layer [{impl}]",
+             lambda: _layer(KimiDeltaAttention(cfg, 0).to(device, bf16), x()), 0.0, False),
+        Case(f"k3 kda op [{impl}]",
+             lambda: _op(lambda *t: kda(*t, impl=impl)[0], _kda_inputs(T, H, K, device)), kda_flops, False),
+        Case("k3 GatedMLA layer (naive, SDPA)",
+             lambda: _layer(GatedMLA(cfg, 3).to(device, bf16), x()), T * mla_flops_per_token(cfg, T), True),
+        Case(f"SDPA causal op ({H} heads, d={K})",
+             lambda: _op(_sdpa_causal, heads()), causal_attention_flops(T, H, K, K), True),
+    ]
+    if fla:
+        cases += [
+            Case("fla.layers.KimiDeltaAttention layer",
+                 lambda: _layer(_fla_layer(cfg).to(device, bf16), x(), pick=lambda out: out[0]), 0.0, False),
+            Case("fla chunk_kda op safe_gate=True", lambda: _op(_fla_safe_gate, _kda_inputs(T, H, K, device)),
+                 kda_flops, False),
+        ]
+    return cases
+
+
+def sdpa_backends_for_mla(cfg: K3Config, device: torch.device, record: Record) -> None:
+    """Which fused SDPA kernels accept MLA's shapes (d_qk = 192 != d_v = 128) in bf16: without one,
+    the naive MLA path falls back to the math kernel (T^2 scores in memory)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, T = cfg.num_attention_heads, 1024
+    q, k = (torch.randn(1, H, T, cfg.qk_head_dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, H, T, cfg.v_head_dim, device=device, dtype=torch.bfloat16)
+    usable = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            usable.append(backend.name)
+        except RuntimeError:
+            pass
+    _say(record, {"kind": "bench", "bench": "kda", "name": "SDPA kernels accepting MLA shapes (192/128, bf16)",
+                  "status": "ok", "usable": ",".join(usable) or "none (math fallback)"})
+
+
+def bench_kda(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
+    cfg = load_config("k3-tiny" if smoke else "k3-1b")
+    fla = device.type == "cuda" and fla_backend.is_available()
+    if device.type == "cuda":
+        sdpa_backends_for_mla(cfg, device, record)
+    lengths = (64, 128) if smoke else (4096, 16384, 65536)
+    results: dict[int, dict[str, float]] = {T: {} for T in lengths}
+    # Case-major: each case runs all its lengths before the next case compiles anything, so a slow
+    # first compile (fla's own layer last) costs the cases after it, not the lengths of earlier ones.
+    for i in range(len(kda_cases(cfg, lengths[0], device, fla))):
+        previous: tuple[int, float] | None = None
+        for T in lengths:
+            case = kda_cases(cfg, T, device, fla)[i]
+            name = f"{case.name} T{T}"
+            predicted_s = 5.0
+            if previous is not None:  # from the last length: linear in T, quadratic for attention
+                predicted_s = 12 * previous[1] * (T / previous[0]) ** (2 if case.quadratic else 1) / 1e3
+            if time.monotonic() + predicted_s + 5 > deadline:
+                _skip(record, "kda", name, f"time budget (predicted {predicted_s:.0f}s)")
+                continue
+            fn = None
+            try:
+                fn = case.build()
+                ms = median_ms(fn, device, warmup_ms=10, rep_ms=200 if not smoke else 50)
+            except torch.cuda.OutOfMemoryError as exc:
+                _skip(record, "kda", name, f"out of memory: {str(exc)[:120]}")
+                continue
+            finally:
+                del fn
+                _free(device)
+            previous = (T, ms)
+            results[T][case.name] = ms
+            entry = {"kind": "bench", "bench": "kda", "name": name, "status": "ok", "T": T, "ms_fwd_bwd": ms}
+            if case.flops:
+                entry["tflops"] = case.flops / (ms * 1e-3) / 1e12
+            _say(record, entry)
+    for T, by_case in results.items():
+        sdpa = next((ms for n, ms in by_case.items() if n.startswith("SDPA")), None)
+        if sdpa:
+            _say(record, {"kind": "bench", "bench": "kda", "name": f"ratio to SDPA causal T{T}", "status": "ok",
+                          **{n: ms / sdpa for n, ms in by_case.items() if not n.startswith("SDPA")}})
+
+
+# ----------------------------------------------------------------------------- (3) decode
+def all_mla(cfg: K3Config) -> K3Config:
+    """The same model with every layer MLA (what KDA replaces)."""
+    return cfg.replace(kda_layers=[], full_attn_layers=list(range(1, cfg.num_hidden_layers + 1)))
+
+
+def random_cache(cfg: K3Config, batch: int, context: int, device, dtype) -> K3Cache:
+    """A decode state as if `context` tokens had been consumed: random (never zero) KDA states and
+    conv tails, random latents. Building it directly avoids a 128K-token prefill per sequence."""
+    cache = K3Cache.empty(cfg, batch, device=device, dtype=dtype)
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    for state in cache.layers:
+        if isinstance(state, KDAState):
+            state.conv.normal_()
+            state.recurrent.normal_(0.0, 0.02)
+        else:
+            state.latents = [torch.randn(context, width, device=device, dtype=dtype) for _ in range(batch)]
+    cache.lengths.fill_(context)
+    return cache
+
+
+def cache_bytes(cfg: K3Config, batch: int, context: int, elem: int) -> int:
+    kda = cfg.num_kda_layers * batch * (cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4 +
+                                        3 * cfg.kda_num_heads * cfg.kda_head_dim * (cfg.short_conv_kernel_size - 1) * elem)
+    mla = cfg.num_mla_layers * batch * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    return kda + mla
+
+
+def decode_step_bytes(model: K3ForCausalLM, batch: int, context: int) -> dict:
+    """The fewest bytes one decode step must move: every weight once, except that only the rows of
+    the B tokens are read from the embedding and only the routed experts some token picks (expected
+    distinct experts E (1 - (1 - k/E)^B) per MoE layer); KDA states and conv tails read and written
+    back; MLA latents read, one new row written."""
+    cfg = model.config
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    used = 1 - (1 - k / E) ** batch if E else 0.0
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters()}
+    weights = 0.0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if name == "model.embed_tokens.weight":
+            size = batch * p.shape[1] * p.element_size()
+        elif id(p) in expert_ids:
+            size *= used
+        weights += size
+    elem = next(model.parameters()).element_size()
+    state = 2 * cfg.num_kda_layers * batch * (cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4 +
+                                              3 * cfg.kda_num_heads * cfg.kda_head_dim * (cfg.short_conv_kernel_size - 1) * elem)
+    latents = cfg.num_mla_layers * batch * (context + 1) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    return {"weights": weights, "kda_states": state, "mla_latents": latents, "total": weights + state + latents}
+
+
+def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
+    base = load_config("k3-tiny" if smoke else "k3-1b").replace(mla_impl="absorb")
+    dtype = torch.bfloat16
+    batches, contexts = ((1, 2), (16, 64)) if smoke else ((1, 8, 64), (1024, 8192, 32768, 131072))
+    budget_bytes = 0.55 * (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 4 * GB)
+    models = {"hybrid": base, "all-MLA": all_mla(base)}
+    for variant, cfg in models.items():
+        models[variant] = K3ForCausalLM(cfg).to(device, dtype).eval()
+    last_step_s = 0.05
+    for context in contexts:
+        for batch in batches:
+            for variant, model in models.items():
+                name = f"{variant} B{batch} ctx{context}"
+                need = cache_bytes(model.config, batch, context, 2)
+                if need > budget_bytes:
+                    _skip(record, "decode", name, f"cache {need / GB:.0f} GB over the {budget_bytes / GB:.0f} GB allowance")
+                    continue
+                if time.monotonic() + 12 * last_step_s + 5 > deadline:
+                    _skip(record, "decode", name, "time budget")
+                    continue
+                try:
+                    ms = _decode_ms(model, batch, context, device, dtype, smoke)
+                except torch.cuda.OutOfMemoryError as exc:
+                    _skip(record, "decode", name, f"out of memory: {str(exc)[:120]}")
+                    continue
+                finally:
+                    _free(device)
+                last_step_s = max(last_step_s, ms / 1e3)
+                moved = decode_step_bytes(model, batch, context)
+                bound_ms = moved["total"] / (known["copy_gbps"] * GB) * 1e3
+                _say(record, {"kind": "bench", "bench": "decode", "name": name, "status": "ok", "variant": variant,
+                              "batch": batch, "context": context, "ms_per_step": ms,
+                              "tokens_per_s": batch / (ms / 1e3), "bound_ms": bound_ms,
+                              "bound_tokens_per_s": batch / (bound_ms / 1e3), "fraction_of_bound": bound_ms / ms,
+                              "bytes": moved})
+
+
+@torch.no_grad()
+def _decode_ms(model: K3ForCausalLM, batch: int, context: int, device, dtype, smoke: bool) -> float:
+    cache = random_cache(model.config, batch, context, device, dtype)
+    tokens = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+
+    def step() -> None:  # one token per sequence, greedy, no host sync
+        tokens.copy_(model(tokens, cache=cache)[:, -1].argmax(-1, keepdim=True))
+
+    return median_ms(step, device, warmup_ms=1, rep_ms=300 if not smoke else 50)
+
+
+# ----------------------------------------------------------------------------- (4) routed experts
+def bench_moe(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
+    cfg = load_config("k3-tiny" if smoke else "k3-1b")
+    bank = RoutedExperts(cfg, cfg.moe_hidden_size, cfg.moe_intermediate_size)
+    bank.reset_parameters()
+    bank = bank.to(device, torch.bfloat16)
+    k = cfg.num_experts_per_token
+    for tokens, backward in (((256, True), (8, False)) if smoke else ((32768, True), (64, False))):
+        x = torch.randn(tokens, cfg.moe_hidden_size, device=device, dtype=torch.bfloat16, requires_grad=backward)
+        idx = torch.rand(tokens, cfg.num_experts, device=device).topk(k, dim=-1).indices
+        weights = torch.softmax(torch.randn(tokens, k, device=device), dim=-1)
+        flops = 2 * tokens * k * 3 * cfg.moe_hidden_size * cfg.moe_intermediate_size * (3 if backward else 1)
+        if backward:
+            fn = _fwd_bwd(lambda: bank(x, weights, idx), [x, bank.w1, bank.w3, bank.w2])
+        else:
+            def fn():
+                with torch.no_grad():
+                    bank(x, weights, idx)
+        chosen = "grouped_mm" if _grouped_mm_available(x) else "per-expert loop"
+        for label, forced in ((f"dispatch: {chosen}", False), ("forced per-expert loop", True)):
+            name = f"experts {'fwd+bwd' if backward else 'fwd'} N{tokens} k{k} E{cfg.num_experts} [{label}]"
+            if not forced and backward and chosen == "grouped_mm" and not known.get("grouped_mm_ok", True):
+                _skip(record, "moe", name, "grouped_mm failed in checks:moe")
+                continue
+            if time.monotonic() + 10 > deadline:
+                _skip(record, "moe", name, "time budget")
+                continue
+            with per_expert_loop() if forced else contextlib.nullcontext():
+                ms = median_ms(fn, device, warmup_ms=5, rep_ms=100)
+            _say(record, {"kind": "bench", "bench": "moe", "name": name, "status": "ok", "ms": ms,
+                          "tflops": flops / (ms * 1e-3) / 1e12})
+
+
+BENCHES = {"train": bench_train, "kda": bench_kda, "decode": bench_decode, "moe": bench_moe}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    known = measure(device, args.smoke)
+    results: list[dict] = []
+    for name in args.only.split(","):
+        BENCHES[name](device, args.smoke, known, results.append, math.inf)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

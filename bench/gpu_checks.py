@@ -1,0 +1,506 @@
+"""Correctness of the GPU paths against fp32 torch references on random inputs (issue #5).
+
+    python bench/gpu_checks.py [--smoke] [--only kda,layers,moe]
+
+Every comparison is `rel = RMSE(ref - out) / RMSE(ref)` (tests/conftest.py) on fresh random inputs
+(never zeros), against a bound chosen from the precision of the fast path (METHOD.md: fp32
+far under 1e-3, tf32 near 3e-4, bf16 operands 1e-3..1e-2). Each check prints name, rel, bound
+and PASS / FAIL; "PASS(tf32)" means over the strict fp32 bound but within the tf32 one: Triton's
+fp32 `tl.dot` defaults to tf32, so fla's kernels on fp32 inputs round operands to 10 mantissa bits.
+
+Groups (each runs in its own process under bench/gpu_run.py, so a device-side assert in one
+cannot take the others down):
+- kda:    the KDA op, fla vs k3's torch chunk reference: bf16 inputs, packed (cu_seqlens) with
+          initial states, prefix invariance (fla issue #1240), fp32; fla's safe_gate fast path.
+- layers: KimiDeltaAttention on CUDA vs the same layer on CPU fp32; gated MLA bf16 naive and
+          absorbed with a cache vs fp32; a whole k3-tiny-shaped model, bf16 CUDA logits vs fp32
+          CPU, and decode = prefill on CUDA.
+- moe:    routed experts through torch._grouped_mm (bf16, sm90) vs the per-expert loop, and the
+          whole MoE layer under bf16 autocast with fp32 parameters (the training setting).
+On a machine without CUDA or fla (--smoke), the same code runs on CPU at tiny sizes with the
+recurrent reference standing in for fla, and fla-only checks are recorded as SKIP.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from k3.config import K3Config, load_config  # noqa: E402
+from k3.model import experts as experts_module  # noqa: E402
+from k3.model.cache import K3Cache, KDAState, MLAState  # noqa: E402
+from k3.model.experts import RoutedExperts  # noqa: E402
+from k3.model.kda import KimiDeltaAttention  # noqa: E402
+from k3.model.mla import GatedMLA  # noqa: E402
+from k3.model.moe import StableLatentMoE  # noqa: E402
+from k3.model.transformer import K3ForCausalLM  # noqa: E402
+from k3.ops.kda import fla_backend, kda  # noqa: E402
+from tests.conftest import rel_err  # noqa: E402
+from tests.test_kda_ops import make_inputs  # noqa: E402
+
+Record = Callable[[dict], None]
+
+# Bounds (see the module docstring). Gradients pass through the recomputed forward and the backward,
+# about twice the roundings of the outputs, so their bf16 bound is twice the forward one.
+FP32, TF32, TF32_GRAD = 1e-4, 2e-3, 5e-3
+BF16, BF16_GRAD = 1e-2, 2e-2
+BF16_LAYER = 2e-2  # a whole layer under bf16 autocast: every projection rounds (~4e-3 each), in series;
+# the KDA layer check raises it to twice what the CPU torch path itself loses under the same autocast
+BF16_MODEL = 3e-2  # bf16 weights and activations through every layer of a model
+EXACT = 1e-6  # causality: a prefix must not see the future at all
+
+
+def gpu_config(smoke: bool) -> K3Config:
+    """k3-1b (D=1024, 8 KDA heads of 128) on GPU: the checks then compile exactly the Triton
+    specializations (H=8, K=128) that the benches reuse. k3-tiny for --smoke."""
+    return load_config("k3-tiny" if smoke else "k3-1b")
+
+
+def model_config(smoke: bool) -> K3Config:
+    """k3-tiny's structure (8 layers, 3:1 KDA:MLA, AttnRes blocks, latent MoE) with the KDA heads
+    of k3-1b on GPU (fla's kernels specialize on H and K; this reuses the compiled ones)."""
+    tiny = load_config("k3-tiny")
+    return tiny if smoke else tiny.replace(hidden_size=256, kda_num_heads=8, kda_head_dim=128)
+
+
+@torch.no_grad()
+def randomize_(module: nn.Module) -> nn.Module:
+    """Unit-scale random weights. The 0.02 init leaves attention nearly uniform and outputs tiny,
+    which would hide indexing and masking errors: every matrix ~ N(0, 1/fan_in) (fan_in is the
+    last dim for Linear, Conv1d and the stacked experts), embeddings N(0, 1), norm weights
+    U(0.5, 1.5), KDA decay parameters U(-1, 1); AttnRes pseudo-queries become non-zero too."""
+    for name, p in module.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            p.normal_()
+        elif p.dim() >= 2:
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+        elif name.endswith(("A_log", "dt_bias")):
+            p.uniform_(-1.0, 1.0)
+        else:
+            p.uniform_(0.5, 1.5)
+    return module
+
+
+@contextlib.contextmanager
+def per_expert_loop():
+    """Force RoutedExperts onto its per-expert loop, whatever the device and dtype."""
+    saved = experts_module._grouped_mm_available
+    experts_module._grouped_mm_available = lambda x: False
+    try:
+        yield
+    finally:
+        experts_module._grouped_mm_available = saved
+
+
+class Checker:
+    """Runs named checks, records every comparison, and turns an exception into an ERROR record."""
+
+    def __init__(self, device: torch.device, smoke: bool, record: Record, deadline: float):
+        self.device, self.smoke, self.record, self.deadline = device, smoke, record, deadline
+        self.fla = device.type == "cuda" and fla_backend.is_available()
+        self.fast = "fla" if self.fla else "recurrent"  # the path under test; recurrent stands in on CPU
+        self.config = gpu_config(smoke)
+
+    def compare(self, name: str, ref: torch.Tensor, out: torch.Tensor, bound: float,
+                tf32_bound: float | None = None, note: str = "") -> None:
+        ref, out = ref.detach().float().cpu(), out.detach().float().cpu()
+        if ref.shape != out.shape:
+            status, err = "FAIL", math.inf
+            note = f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+        elif not torch.isfinite(out).all():
+            status, err = "FAIL", math.inf
+            note = "non-finite values in output"
+        else:
+            err = rel_err(ref, out)
+            status = ("PASS" if err <= bound else
+                      "PASS(tf32)" if tf32_bound is not None and err <= tf32_bound else "FAIL")
+        self.record({"kind": "check", "name": name, "rel": err, "bound": bound, "tf32_bound": tf32_bound,
+                     "status": status, "note": note})
+        print(f"{name:<64} rel {err:9.2e}  bound {bound:7.0e}  {status}{'  ' + note if note else ''}", flush=True)
+
+    def scalar(self, name: str, value: float, bound: float, note: str = "") -> None:
+        """A measured error that is not a tensor comparison (e.g. a ratio that must be 0)."""
+        status = "PASS" if value <= bound else "FAIL"
+        self.record({"kind": "check", "name": name, "rel": value, "bound": bound, "status": status, "note": note})
+        print(f"{name:<64} rel {value:9.2e}  bound {bound:7.0e}  {status}{'  ' + note if note else ''}", flush=True)
+
+    def skip(self, name: str, why: str) -> None:
+        self.record({"kind": "check", "name": name, "status": "SKIP", "note": why})
+        print(f"{name:<64} SKIP  {why}", flush=True)
+
+    def run(self, name: str, fn: Callable[[], None], min_seconds: float) -> None:
+        left = self.deadline - time.monotonic()
+        if left < min_seconds:
+            self.skip(name, f"time budget ({left:.0f}s left, needs ~{min_seconds:.0f}s)")
+            return
+        torch.manual_seed(0)  # every check reproducible on its own, whatever ran before it
+        try:
+            fn()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # surface asynchronous errors here, under this check's name
+        except Exception as exc:  # one failing check must not stop the others
+            detail = traceback.format_exc(limit=4)
+            self.record({"kind": "check", "name": name, "status": "ERROR", "note": f"{type(exc).__name__}: {exc}",
+                         "traceback": detail})
+            print(f"{name:<64} ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def randn(self, *shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- (a) the KDA op
+def _kda_grads(impl: str, leaves: list[torch.Tensor], do, ds, cu=None):
+    o, s = kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, impl=impl)
+    grads = torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), leaves)
+    return o, s, grads
+
+
+def kda_vs_reference(c: Checker, dtype: torch.dtype, lengths: list[int] | None = None) -> None:
+    """fla (dtype inputs; g and the state stay fp32 as the layer passes them) vs the fp32 chunk
+    reference on the SAME values upcast, so the error measures the kernel, not input rounding.
+    Outputs, final states and the gradients of q, k, v, g, beta and the initial state."""
+    H, K = c.config.kda_num_heads, c.config.kda_head_dim
+    if lengths is None:
+        B, T, N, cu = (1, 40, 1, None) if c.smoke else (2, 1000, 2, None)
+    else:
+        B, T, N = 1, sum(lengths), len(lengths)
+        cu = torch.tensor([0, *lengths], device=c.device).cumsum(0)
+    q, k, v, g, beta, h0 = (t.to(c.device) for t in make_inputs(B, T, H, K, K, "lb", N=N))
+    fast_in = [t if t is g else t.to(dtype) for t in (q, k, v, g, beta)] + [h0]
+    fast_leaves = [t.detach().clone().requires_grad_() for t in fast_in]
+    ref_leaves = [t.detach().float().clone().requires_grad_() for t in fast_in]
+    do, ds = c.randn(B, T, H, K), c.randn(N, H, K, K)
+    o_ref, s_ref, g_ref = _kda_grads("chunk", ref_leaves, do, ds, cu)
+    o, s, g_out = _kda_grads(c.fast, fast_leaves, do, ds, cu)
+    fp32 = dtype == torch.float32
+    fwd, fwd_tf32 = (FP32, TF32) if fp32 else (BF16, None)
+    bwd, bwd_tf32 = (FP32, TF32_GRAD) if fp32 else (BF16_GRAD, None)
+    shape = f"B{B} T{T}" if cu is None else f"packed {lengths}"
+    name = f"kda[{c.fast}] {str(dtype).removeprefix('torch.')} {shape}"
+    c.compare(f"{name} o", o_ref, o, fwd, fwd_tf32)
+    c.compare(f"{name} final state", s_ref, s, fwd, fwd_tf32)
+    for grad_name, r, out in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_ref, g_out):
+        c.compare(f"{name} {grad_name}", r, out, bwd, bwd_tf32)
+
+
+def _prefix_inputs(c: Checker, T: int, i: int, dtype: torch.dtype):
+    """Two input sets equal before position i and independently random from i on."""
+    H, K = c.config.kda_num_heads, c.config.kda_head_dim
+    first = make_inputs(1, T, H, K, K, "lb", with_state=False)[:5]
+    other = make_inputs(1, T, H, K, K, "lb", with_state=False)[:5]
+    second = [torch.cat([a[:, :i], b[:, i:]], dim=1) for a, b in zip(first, other)]
+    return [[t.to(c.device, dtype if j != 3 else torch.float32) for j, t in enumerate(s)] for s in (first, second)]
+
+
+def prefix_invariance(c: Checker, label: str, op: Callable, dtype: torch.dtype) -> None:
+    """Change every input from position i on: outputs before i, and the gradients of a loss that
+    reads only outputs before i, must not move (fla issue #1240), and gradients from i on must be
+    0; running the first i tokens alone must give the same outputs too (appending is invisible).
+    i sits inside a 16-token sub-chunk, where #1240's anchor row lies in the future."""
+    T, i = (40, 21) if c.smoke else (1000, 437)
+    H, K = c.config.kda_num_heads, c.config.kda_head_dim
+    do = c.randn(1, i, H, K)
+    input_sets = _prefix_inputs(c, T, i, dtype)
+    runs = []
+    for inputs in input_sets:
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        o = op(*leaves)
+        grads = torch.autograd.grad((o[:, :i].float() * do).sum(), leaves)
+        runs.append((o, grads))
+    (o1, g1), (o2, g2) = runs
+    c.compare(f"{label} outputs before i", o1[:, :i], o2[:, :i], EXACT)
+    with torch.no_grad():
+        alone = op(*[t[:, :i] for t in input_sets[0]])
+    c.compare(f"{label} first i tokens alone", o1[:, :i], alone, EXACT)
+    for grad_name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g1, g2):
+        c.compare(f"{label} {grad_name} before i", a[:, :i], b[:, :i], EXACT)
+        leak = a[:, i:].float().pow(2).mean().sqrt() / a[:, :i].float().pow(2).mean().sqrt().clamp_min(1e-30)
+        c.scalar(f"{label} {grad_name} from i on (rms / rms before i)", leak.item(), EXACT)
+
+
+def kda_op(impl: str) -> Callable:
+    def run(q, k, v, g, beta):
+        return kda(q, k, v, g, beta, impl=impl)[0]
+    return run
+
+
+def fla_safe_gate_op(q, k, v, g, beta):
+    """fla's chunk_kda with its safe_gate (M=16 tensor-core) fast path on k3's activated,
+    lower-bounded gates. k3 does not use this today (fla_backend passes safe_gate=False)."""
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)[0]
+
+
+def fla_safe_gate_accuracy(c: Checker) -> None:
+    """The safe_gate fast path's outputs vs the fp32 chunk reference (bf16 inputs, forward)."""
+    H, K = c.config.kda_num_heads, c.config.kda_head_dim
+    q, k, v, g, beta, _ = (None if t is None else t.to(c.device)
+                           for t in make_inputs(2, 1000, H, K, K, "lb", with_state=False))
+    low = [t if t is g else t.to(torch.bfloat16) for t in (q, k, v, g, beta)]
+    with torch.no_grad():
+        ref = kda(*[t.float() for t in low], impl="chunk")[0]
+        c.compare("fla chunk_kda safe_gate=True bf16 B2 T1000 o", ref, fla_safe_gate_op(*low), BF16)
+
+
+def checks_kda(c: Checker) -> None:
+    lengths = [1, 5, 20] if c.smoke else [1, 63, 64, 200, 672]  # awkward: 1, odd, one chunk, partial
+    c.run("kda bf16", lambda: kda_vs_reference(c, torch.bfloat16), 40)
+    c.run("kda packed bf16", lambda: kda_vs_reference(c, torch.bfloat16, lengths), 40)
+    c.run("kda prefix invariance", lambda: prefix_invariance(c, f"kda[{c.fast}] bf16 prefix", kda_op(c.fast),
+                                                             torch.bfloat16), 20)
+    c.run("kda fp32", lambda: kda_vs_reference(c, torch.float32), 40)
+    if not c.fla:
+        c.skip("fla chunk_kda safe_gate=True", "needs CUDA and fla")
+        return
+    # Not k3's path today: whether switching fla_backend to safe_gate=True would be correct.
+    c.run("fla safe_gate accuracy", lambda: fla_safe_gate_accuracy(c), 30)
+    c.run("fla safe_gate prefix", lambda: prefix_invariance(c, "fla chunk_kda safe_gate=True bf16 prefix",
+                                                            fla_safe_gate_op, torch.bfloat16), 20)
+
+
+# ----------------------------------------------------------------------------- (b, c, e) layers and model
+def _layer_pass(layer: KimiDeltaAttention, x: torch.Tensor, state: KDAState, dy, ds, autocast: bool):
+    """Forward with a state, backward of a loss on outputs and the new state; returns outputs, the
+    new state and the gradients of x and of every parameter (by name)."""
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x, state=state)
+    names, params = zip(*layer.named_parameters())
+    loss = (y.float() * dy).sum() + (state.recurrent * ds).sum()
+    grads = torch.autograd.grad(loss, (x, *params))
+    return y, state, grads[0], dict(zip(names, grads[1:]))
+
+
+def _worst_param(c: Checker, name: str, ref: dict, out: dict, bound: float, tf32_bound: float | None,
+                 extra: str = "") -> None:
+    errs = {n: rel_err(ref[n].float().cpu(), out[n].float().cpu()) for n in ref}
+    worst = max(errs, key=errs.get)
+    c.compare(f"{name} (worst: {worst})", ref[worst], out[worst], bound, tf32_bound,
+              note=f"{len(errs)} parameter gradients" + (f"; {extra}" if extra else ""))
+
+
+def check_kda_layer(c: Checker) -> None:
+    """KimiDeltaAttention on the device (auto: fla on CUDA) vs the same weights on CPU fp32 (chunk),
+    continuing a random decode state: outputs, new recurrent state, conv tails, all gradients."""
+    cfg = c.config.replace(kda_impl="auto")
+    layer = randomize_(KimiDeltaAttention(cfg, layer_idx=0))
+    B, T = (1, 20) if c.smoke else (2, 300)
+    x = torch.randn(B, T, cfg.hidden_size)
+    state = KDAState.empty(cfg, B)
+    state.conv.normal_()
+    state.recurrent.normal_(0.0, 0.5)
+    dy, ds = torch.randn(B, T, cfg.hidden_size), torch.randn_like(state.recurrent)
+
+    def on(device):
+        s = KDAState(state.conv.clone().to(device), state.recurrent.clone().to(device))
+        return copy.deepcopy(layer).to(device), x.to(device), s, dy.to(device), ds.to(device)
+
+    cpu = torch.device("cpu")
+    y_ref, s_ref, dx_ref, dp_ref = _layer_pass(*on(cpu), autocast=False)
+    # bf16 bounds calibrated on the torch reference itself: the CPU chunk path under the same bf16
+    # autocast sets the error bf16 costs this layer; the device may be at most twice as far off.
+    cpu_bf16 = _layer_pass(*on(cpu), autocast=True)
+    ref = (y_ref, s_ref.recurrent, s_ref.conv, dx_ref)
+    floor = [rel_err(r, o) for r, o in zip(ref, (cpu_bf16[0], cpu_bf16[1].recurrent, cpu_bf16[1].conv, cpu_bf16[2]))]
+    floor_params = max(rel_err(dp_ref[n], cpu_bf16[3][n]) for n in dp_ref)
+    impl = "fla" if c.fla else "chunk"
+    for label, autocast in (("fp32", False), ("bf16 autocast", True)):
+        y, s, dx, dp = _layer_pass(*on(c.device), autocast=autocast)
+        name = f"KDA layer {c.device.type}[{impl}] {label} vs cpu fp32"
+        outs = (y, s.recurrent, s.conv, dx)
+        for part, r, o, e in zip(("y", "state", "conv tails", "dx"), ref, outs, floor):
+            if autocast:
+                c.compare(f"{name} {part}", r, o, max(BF16_LAYER, 2 * e), note=f"cpu bf16 autocast: {e:.1e}")
+            else:
+                c.compare(f"{name} {part}", r, o, FP32, TF32 if part != "dx" else TF32_GRAD)
+        if autocast:
+            _worst_param(c, f"{name} dparams", dp_ref, dp, max(BF16_LAYER, 2 * floor_params), None,
+                         extra=f"cpu bf16 autocast worst: {floor_params:.1e}")
+        else:
+            _worst_param(c, f"{name} dparams", dp_ref, dp, FP32, TF32_GRAD)
+
+
+def check_mla(c: Checker) -> None:
+    """Gated MLA with a cache: a packed prefill of two sequences, then 3 single-token decode steps.
+    bf16 weights on the device, naive and absorbed, vs fp32 naive on CPU; fp32 absorbed too."""
+    cfg = c.config
+    layer = randomize_(GatedMLA(cfg, layer_idx=3))
+    lengths = [3, 7] if c.smoke else [37, 100]
+    N, steps = len(lengths), 3
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    x_prefill = torch.randn(1, sum(lengths), cfg.hidden_size)
+    x_steps = torch.randn(steps, N, 1, cfg.hidden_size)
+
+    @torch.no_grad()
+    def run(device, dtype, impl):
+        m = copy.deepcopy(layer).to(device, dtype)
+        m.config = cfg.replace(mla_impl=impl)
+        state = MLAState.empty(cfg, N, device, dtype)
+        outs = [m(x_prefill.to(device, dtype), cu_seqlens=cu.to(device), state=state)[0]]
+        outs += [m(x.to(device, dtype), state=state)[:, 0] for x in x_steps]
+        return torch.cat(outs), torch.cat(state.latents)
+
+    y_ref, lat_ref = run(torch.device("cpu"), torch.float32, "naive")
+    for dtype, impl, bound in ((torch.bfloat16, "naive", BF16), (torch.bfloat16, "absorb", BF16),
+                               (torch.float32, "absorb", FP32)):
+        y, lat = run(c.device, dtype, impl)
+        name = f"MLA {c.device.type} {str(dtype).removeprefix('torch.')} {impl} vs cpu fp32 naive"
+        c.compare(f"{name} outputs (prefill + 3 decode)", y_ref, y, bound)
+        c.compare(f"{name} cached latents", lat_ref, lat, bound)
+
+
+def _model(smoke: bool) -> K3ForCausalLM:
+    """The model at its own init, every token routed to every expert. Whole-model comparisons are
+    ill-conditioned otherwise: with top-k routing, bf16 rounding flips near-tied expert choices
+    (a discrete jump per flipped token; measured on CPU: 7% logits rel error at k=2 vs 1% at k=E),
+    and unit-scale random weights make 8 layers chaotic (1e-3 input noise -> 2..13% logits).
+    The routed path itself is checked exactly by the `moe` group."""
+    cfg = model_config(smoke)
+    return K3ForCausalLM(cfg.replace(num_experts_per_token=cfg.num_experts))
+
+
+def check_model_logits(c: Checker) -> None:
+    """A whole k3-tiny-shaped model: device logits (fp32, then bf16 weights) vs CPU fp32 logits.
+    The bf16 bound covers bf16 weights as well as bf16 arithmetic (the reference keeps fp32 weights)."""
+    model = _model(c.smoke).eval()
+    B, T = (1, 12) if c.smoke else (2, 200)
+    ids = torch.randint(0, model.config.vocab_size, (B, T))
+    with torch.no_grad():
+        ref = model(ids)
+        for dtype, bound, tf32 in ((torch.float32, FP32, TF32), (torch.bfloat16, BF16_MODEL, None)):
+            out = copy.deepcopy(model).to(c.device, dtype)(ids.to(c.device))
+            agree = (out.argmax(-1).cpu() == ref.argmax(-1)).float().mean().item()
+            c.compare(f"model {c.device.type} {str(dtype).removeprefix('torch.')} logits vs cpu fp32", ref, out,
+                      bound, tf32, note=f"argmax agreement {agree:.1%}")
+
+
+def check_model_decode(c: Checker) -> None:
+    """On the device: the logits of the last 4 positions from one full forward equal those from a
+    prefill of T-4 tokens into a cache followed by 4 single-token steps (chunk vs recurrent kernels)."""
+    model = _model(c.smoke).eval()
+    B, T, steps = (1, 12, 4) if c.smoke else (2, 200, 4)
+    ids = torch.randint(0, model.config.vocab_size, (B, T), device=c.device)
+    for dtype, bound, tf32 in ((torch.float32, FP32, TF32), (torch.bfloat16, BF16_MODEL, None)):
+        m = copy.deepcopy(model).to(c.device, dtype)
+        with torch.no_grad():
+            full = m(ids)[:, -steps:]
+            cache = K3Cache.empty(m.config, B, device=c.device, dtype=dtype)
+            m(ids[:, :-steps], cache=cache)
+            stepped = torch.cat([m(ids[:, T - steps + t:T - steps + t + 1], cache=cache) for t in range(steps)], 1)
+        c.compare(f"model {c.device.type} {str(dtype).removeprefix('torch.')} decode = prefill (last {steps} logits)",
+                  full, stepped, bound, tf32)
+
+
+def checks_layers(c: Checker) -> None:
+    c.run("KDA layer", lambda: check_kda_layer(c), 30)
+    c.run("MLA layer", lambda: check_mla(c), 15)
+    c.run("model logits", lambda: check_model_logits(c), 30)
+    c.run("model decode", lambda: check_model_decode(c), 20)
+
+
+# ----------------------------------------------------------------------------- (d) routed experts
+def _routing(n: int, num_experts: int, k: int, device):
+    """Random top-k routing that never picks every 7th expert, so some groups are empty."""
+    scores = torch.rand(n, num_experts)
+    scores[:, 3::7] = -1.0
+    idx = scores.topk(k, dim=-1).indices
+    weights = torch.softmax(torch.randn(n, k), dim=-1)
+    return weights.to(device), idx.to(device)
+
+
+def _experts_pass(bank: RoutedExperts, x, weights, idx, dy):
+    x = x.detach().clone().requires_grad_()
+    y = bank(x, weights, idx)
+    grads = torch.autograd.grad((y.float() * dy).sum(), (x, bank.w1, bank.w3, bank.w2))
+    return y, grads
+
+
+def check_experts(c: Checker) -> None:
+    """The routed-expert bank: bf16 through torch._grouped_mm (when sm90 makes it eligible) vs the
+    per-expert loop in fp32 and in bf16; outputs and the gradients of x, w1, w3, w2."""
+    cfg = c.config
+    bank = randomize_(RoutedExperts(cfg, cfg.moe_hidden_size, cfg.moe_intermediate_size))
+    n = 64 if c.smoke else 4096
+    x = torch.randn(n, cfg.moe_hidden_size, device=c.device)
+    weights, idx = _routing(n, cfg.num_experts, cfg.num_experts_per_token, c.device)
+    dy = torch.randn(n, cfg.moe_hidden_size, device=c.device)
+    bank32 = copy.deepcopy(bank).to(c.device)
+    bank16 = copy.deepcopy(bank).to(c.device, torch.bfloat16)
+    x16 = x.to(torch.bfloat16)
+    path = "grouped_mm" if experts_module._grouped_mm_available(x16) else "per-expert loop"
+    ref = _experts_pass(bank32, x, weights, idx, dy)  # fp32: always the loop
+    fast = _experts_pass(bank16, x16, weights, idx, dy)
+    with per_expert_loop():
+        loop16 = _experts_pass(bank16, x16, weights, idx, dy)
+    for label, other, bound, grad_bound in ((f"bf16 {path} vs fp32 loop", ref, BF16, BF16_GRAD),
+                                            (f"bf16 {path} vs bf16 loop", loop16, BF16, BF16_GRAD)):
+        c.compare(f"experts {label} y", other[0], fast[0], bound)
+        for grad_name, r, out in zip(("dx", "dw1", "dw3", "dw2"), other[1], fast[1]):
+            c.compare(f"experts {label} {grad_name}", r, out, grad_bound)
+
+
+def check_moe_autocast(c: Checker) -> None:
+    """Stable LatentMoE with fp32 parameters under bf16 autocast, which is how training runs.
+    1. The router must score in fp32 (SPEC §6): the chosen experts must equal fp32's.
+    2. With every expert chosen (no discrete choice left), outputs vs the fp32 layer; the routed
+       experts then see bf16 activations and fp32 weights (grouped_mm on sm90)."""
+    cfg = c.config
+    x = torch.randn(2, 64 if c.smoke else 512, cfg.hidden_size, device=c.device)
+    moe = StableLatentMoE(cfg).to(c.device)
+    with torch.no_grad():
+        flat = x.reshape(-1, cfg.hidden_size)
+        _, idx_ref = moe.gate(flat)
+        with torch.autocast(c.device.type, dtype=torch.bfloat16):
+            _, idx = moe.gate(flat)
+    changed = (idx.sort(-1).values != idx_ref.sort(-1).values).any(-1).float().mean().item()
+    c.scalar("MoE router under bf16 autocast: tokens with other experts than fp32", changed, 0.0,
+             note="router scores must stay fp32 (SPEC 6)")
+    dense = StableLatentMoE(cfg.replace(num_experts_per_token=cfg.num_experts)).to(c.device)
+    with torch.no_grad():
+        ref = dense(x)
+        with torch.autocast(c.device.type, dtype=torch.bfloat16):
+            out = dense(x)
+    c.compare("StableLatentMoE (k=E) fp32 params under bf16 autocast vs fp32", ref, out, BF16_LAYER)
+
+
+def checks_moe(c: Checker) -> None:
+    c.run("experts", lambda: check_experts(c), 10)
+    c.run("moe autocast", lambda: check_moe_autocast(c), 10)
+
+
+GROUPS = {"kda": checks_kda, "layers": checks_layers, "moe": checks_moe}
+
+
+def run_group(group: str, device: torch.device, smoke: bool, record: Record, deadline: float) -> None:
+    GROUPS[group](Checker(device, smoke, record, deadline))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
+    parser.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    results: list[dict] = []
+    for group in args.only.split(","):
+        run_group(group, device, args.smoke, results.append, deadline=math.inf)
+    bad = [r for r in results if r["status"] in ("FAIL", "ERROR")]
+    print(f"{len(results)} checks, {len(bad)} FAIL/ERROR")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

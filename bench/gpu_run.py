@@ -1,0 +1,313 @@
+"""One consolidated GPU run (issue #5): ceilings, then correctness checks, then benchmarks,
+within a hard time budget, writing results as they come.
+
+    python3 bench/gpu_run.py --out DIR [--smoke] [--budget-s 380]
+    python3 bench/gpu_run.py --report DIR [--record docs/BENCHMARKS.md]   # re-render, append
+
+Every section runs in its own process with its own timeout: a device-side assert, an OOM, a hung
+compile or a segfault costs that section only, and the run as a whole ends within the budget
+(measured from this script's start; JIT/autotuning and CUDA start-up included). Order: ceilings
+(the benches need them), checks (they matter most), benches. A section's timeout is the smaller of
+its cap and what the budget leaves after reserving every later section's minimum; inside, each
+check or size is skipped (and recorded as skipped) when its own deadline would pass.
+
+DIR receives records.jsonl (one JSON object per result, appended and flushed as it happens),
+results.json (all records plus run metadata, rewritten after every section), summary.md (tables)
+and logs/<section>.log (each section's full output). The short table printed last shows the
+ceilings, every FAIL/ERROR, and the bench tables.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    cap_s: float  # most seconds it may take on the GPU
+    min_s: float  # fewest seconds worth starting it with
+
+
+SECTIONS = [
+    Section("ceilings", 45, 10),
+    Section("checks:kda", 120, 30),  # compiles and autotunes fla's chunk kernels (bf16, packed, fp32)
+    Section("checks:layers", 70, 20),
+    Section("checks:moe", 35, 10),
+    Section("bench:train", 75, 30),
+    Section("bench:kda", 75, 20),
+    Section("bench:decode", 70, 20),
+    Section("bench:moe", 25, 10),
+]
+SMOKE_CAP_S = 600  # CPU smoke sizes are tiny but the machine is shared and slow
+MARGIN_S = 5  # a child stops starting work this long before it would be killed
+
+
+# ----------------------------------------------------------------------------- child side
+def run_section(name: str, out: Path, smoke: bool, seconds: float) -> None:
+    """Runs in the child process: one section, records appended to out/records.jsonl."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    deadline = time.monotonic() + seconds
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    records = out / "records.jsonl"
+
+    def record(entry: dict) -> None:
+        with open(records, "a") as f:
+            f.write(json.dumps({"section": name, **entry}, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    kind, _, group = name.partition(":")
+    if kind == "ceilings":
+        from bench.ceilings import measure
+
+        record({"kind": "meta", **_environment(device)})
+        record({"kind": "ceiling", **measure(device, smoke)})
+    elif kind == "checks":
+        from bench.gpu_checks import run_group
+
+        run_group(group, device, smoke, record, deadline)
+    else:
+        from bench.gpu_bench import BENCHES
+
+        BENCHES[group](device, smoke, _known(records), record, deadline)
+
+
+def _environment(device) -> dict:
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    def version(pkg: str) -> str | None:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "triton": version("triton"), "fla_core": version("fla-core"),
+           "flash_linear_attention": version("flash-linear-attention")}
+    try:
+        env["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    return env
+
+
+def _known(records: Path) -> dict:
+    """What the benches need from earlier sections: the measured ceilings (datasheet values if that
+    section failed) and whether the grouped_mm experts check ran (a device-side assert there means
+    the benches must not train through grouped_mm)."""
+    from bench.ceilings import H200_BF16_DENSE_TFLOPS, H200_HBM_GBPS
+
+    entries = _read(records)
+    known = next((dict(e) for e in entries if e.get("kind") == "ceiling"), None) or {
+        "matmul_bf16_tflops": H200_BF16_DENSE_TFLOPS, "copy_gbps": H200_HBM_GBPS, "note": "datasheet (not measured)"}
+    moe = [e for e in entries if e.get("section") == "checks:moe"]
+    status = next((e["status"] for e in moe if e.get("kind") == "section"), "skipped")
+    experts_error = any(e.get("name") == "experts" and e.get("status") == "ERROR" for e in moe)
+    # not run (budget): unknown, so try it; crashed or hung: assume grouped_mm did it
+    known["grouped_mm_ok"] = status == "skipped" or (status == "ok" and not experts_error)
+    return known
+
+
+# ----------------------------------------------------------------------------- parent side
+def run_all(out: Path, smoke: bool, budget_s: float) -> int:
+    start = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    records = out / "records.jsonl"
+    records.unlink(missing_ok=True)
+    timings = []
+    for i, section in enumerate(SECTIONS):
+        left = budget_s - (time.monotonic() - start)
+        reserve = sum(s.min_s for s in SECTIONS[i + 1:])
+        timeout = SMOKE_CAP_S if smoke else min(section.cap_s, left - reserve)
+        if timeout < section.min_s:
+            _append(records, {"section": section.name, "kind": "section", "status": "skipped",
+                              "note": f"budget: {left:.0f}s left, {reserve:.0f}s reserved for later sections"})
+            print(f"[{section.name}] skipped (budget)", flush=True)
+            continue
+        t0 = time.monotonic()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--section", section.name, "--out", str(out),
+               "--seconds", f"{timeout - MARGIN_S:.0f}"] + (["--smoke"] if smoke else [])
+        with open(out / "logs" / f"{section.name.replace(':', '_')}.log", "w") as log:
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO).returncode
+                status = "ok" if rc == 0 else f"exit {rc}"
+            except subprocess.TimeoutExpired:
+                status = f"killed at its {timeout:.0f}s timeout"
+        seconds = time.monotonic() - t0
+        timings.append({"section": section.name, "status": status, "seconds": seconds, "timeout": timeout})
+        _append(records, {"section": section.name, "kind": "section", "status": status, "seconds": seconds})
+        entries = [e for e in _read(records) if e.get("section") == section.name and e.get("kind") in ("check", "bench")]
+        bad = sum(e.get("status") in ("FAIL", "ERROR", "error") for e in entries)
+        print(f"[{section.name}] {status} in {seconds:.0f}s (timeout {timeout:.0f}s): {len(entries)} results, "
+              f"{bad} FAIL/ERROR", flush=True)
+        _write_results(out, budget_s, time.monotonic() - start)
+    summary = render(_read(records))
+    (out / "summary.md").write_text(summary)
+    _write_results(out, budget_s, time.monotonic() - start)
+    print(short_table(_read(records)), flush=True)
+    print(f"total {time.monotonic() - start:.0f}s of the {budget_s:.0f}s budget; full results in {out}", flush=True)
+    return 0
+
+
+def _append(path: Path, entry: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(entry, default=str) + "\n")
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed child
+            continue
+    return entries
+
+
+def _write_results(out: Path, budget_s: float, elapsed_s: float) -> None:
+    entries = _read(out / "records.jsonl")
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps({"budget_s": budget_s, "elapsed_s": elapsed_s, "records": entries}, indent=1,
+                              default=str))
+    tmp.replace(out / "results.json")
+
+
+# ----------------------------------------------------------------------------- rendering
+def _fmt(x, spec: str = ".3g") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else str(x if x is not None else "")
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _bench_tables(entries: list[dict]) -> list[str]:
+    out = []
+    train = [e for e in entries if e.get("bench") == "train" and e.get("status") == "ok"]
+    if train:
+        out += ["### Training step (bf16 autocast, AdamW)", _table(
+            ["config", "ms/step", "tokens/s", "TFLOP/s", "MFU (measured ceiling)", "MFU (989 datasheet)", "peak GB", "note"],
+            [[e["name"], e["ms_per_step"], e["tokens_per_s"], e["tflops"], f"{e['mfu_measured_ceiling']:.1%}",
+              f"{e['mfu_datasheet']:.1%}", e.get("peak_mem_gb"), e.get("note", "")] for e in train])]
+    kda = [e for e in entries if e.get("bench") == "kda" and e.get("status") == "ok" and "ms_fwd_bwd" in e]
+    if kda:
+        out += ["### KDA vs attention, one layer / op, fwd+bwd, bf16, batch 1", _table(
+            ["case", "ms", "TFLOP/s"], [[e["name"], e["ms_fwd_bwd"], e.get("tflops", "")] for e in kda])]
+        ratios = [e for e in entries if e.get("bench") == "kda" and e.get("name", "").startswith("ratio")]
+        for e in ratios:
+            out.append(f"{e['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in e.items()
+                                                    if isinstance(v, float)))
+        for e in entries:
+            if e.get("bench") == "kda" and "usable" in e:
+                out.append(f"{e['name']}: {e['usable']}")
+    dec = [e for e in entries if e.get("bench") == "decode" and e.get("status") == "ok"]
+    if dec:
+        out += ["### Decode (bf16, absorbed MLA, one token per sequence per step)", _table(
+            ["variant", "batch", "context", "ms/step", "tokens/s", "bandwidth-bound tokens/s", "fraction of bound"],
+            [[e["variant"], e["batch"], e["context"], e["ms_per_step"], e["tokens_per_s"], e["bound_tokens_per_s"],
+              f"{e['fraction_of_bound']:.1%}"] for e in dec])]
+    moe = [e for e in entries if e.get("bench") == "moe" and e.get("status") == "ok"]
+    if moe:
+        out += ["### Routed experts (bf16)", _table(["case", "ms", "TFLOP/s"],
+                                                    [[e["name"], e["ms"], e["tflops"]] for e in moe])]
+    return out
+
+
+def render(entries: list[dict]) -> str:
+    meta = next((e for e in entries if e.get("kind") == "meta"), {})
+    ceil = next((e for e in entries if e.get("kind") == "ceiling"), None)
+    checks = [e for e in entries if e.get("kind") == "check"]
+    lines = [f"## GPU checks and benchmarks ({meta.get('date', '?')})", "",
+             f"`python3 bench/gpu_run.py --out $OUT` on {meta.get('device', '?')}, torch {meta.get('torch')} "
+             f"(CUDA {meta.get('cuda')}), triton {meta.get('triton')}, fla-core {meta.get('fla_core')}, "
+             f"flash-linear-attention {meta.get('flash_linear_attention')}, commit {meta.get('commit')}.", ""]
+    if ceil:
+        lines += [f"Ceilings measured in this run: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s "
+                  f"(n={ceil['matmul_n']}, median), device copy {ceil['copy_gbps']:.0f} GB/s (read+write); "
+                  f"datasheet {ceil['datasheet_bf16_tflops']:.0f} TFLOP/s, {ceil['datasheet_hbm_gbps']:.0f} GB/s.", ""]
+    counts = {s: sum(e.get("status") == s for e in checks) for s in ("PASS", "PASS(tf32)", "FAIL", "ERROR", "SKIP")}
+    lines += ["### Checks (rel = RMSE(ref - out) / RMSE(ref))", " ".join(f"{k} {v}" for k, v in counts.items()), "",
+              _table(["check", "rel", "bound", "status", "note"],
+                     [[e["name"], e.get("rel", ""), e.get("bound", ""), e["status"], e.get("note", "")] for e in checks]),
+              ""]
+    for block in _bench_tables(entries):
+        lines += [block, ""]
+    problems = [e for e in entries if e.get("status") not in ("ok", "PASS", "PASS(tf32)") and e.get("kind") != "check"]
+    if problems:
+        lines += ["### Sections and benches not completed",
+                  _table(["section", "name", "status", "note"],
+                         [[e.get("section"), e.get("name", ""), e.get("status"), e.get("note", "")] for e in problems]), ""]
+    return "\n".join(lines)
+
+
+def short_table(entries: list[dict]) -> str:
+    """What the device tool's 12k-character output tail should show: not every passing check."""
+    checks = [e for e in entries if e.get("kind") == "check"]
+    bad = [e for e in checks if e["status"] in ("FAIL", "ERROR")]
+    lines = ["", "=" * 100]
+    ceil = next((e for e in entries if e.get("kind") == "ceiling"), None)
+    if ceil:
+        lines.append(f"ceilings: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
+    lines.append("checks: " + ", ".join(f"{s} {sum(e['status'] == s for e in checks)}"
+                                        for s in ("PASS", "PASS(tf32)", "FAIL", "ERROR", "SKIP")))
+    for e in bad:
+        lines.append(f"  {e['status']:<5} {e['name']}  rel={_fmt(e.get('rel'))} bound={_fmt(e.get('bound'))} "
+                     f"{str(e.get('note', ''))[:160]}")
+    lines += _bench_tables(entries)
+    for e in entries:
+        if e.get("kind") == "section":
+            lines.append(f"section {e['section']}: {e['status']} {_fmt(e.get('seconds', ''), '.0f')}s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="results directory ($OUT on the device machine)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: verify every code path locally")
+    parser.add_argument("--budget-s", type=float, default=380.0, help="hard wall-clock budget of the whole run")
+    parser.add_argument("--report", type=Path, help="re-render DIR/summary.md from DIR/records.jsonl")
+    parser.add_argument("--record", type=Path, help="with --report: append the summary to this markdown file")
+    parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section (child process)
+    parser.add_argument("--seconds", type=float, default=3600.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.section:
+        run_section(args.section, args.out, args.smoke, args.seconds)
+        return 0
+    if args.report:
+        summary = render(_read(args.report / "records.jsonl"))
+        (args.report / "summary.md").write_text(summary)
+        if args.record:
+            with open(args.record, "a") as f:
+                f.write("\n" + summary + "\n")
+        print(summary)
+        return 0
+    if args.out is None:
+        parser.error("--out DIR is required")
+    return run_all(args.out, args.smoke, args.budget_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
