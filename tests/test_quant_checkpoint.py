@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import save_file
 
 from k3.config import K3Config
-from k3.model.checkpoint import INDEX_NAME, state_dict_to_official
+from k3.model.checkpoint import INDEX_NAME, load_pretrained, state_dict_to_official
 from k3.model.experts import RoutedExperts
 from k3.model.transformer import K3ForCausalLM
 from k3.quant.mx import E2M1, fake_quantize
-from k3.quant.packed_checkpoint import (QUANTIZATION_CONFIG, PackedCheckpointError, load_packed, save_packed,
+from k3.quant.packed_checkpoint import (QUANTIZATION_CONFIG, PackedCheckpointError, save_packed,
                                         unpack_tensors)
 from k3.quant.targets import is_routed_expert_linear
 from tests.conftest import K3_CONFIG_JSON, rel_err
@@ -65,7 +65,7 @@ def test_round_trip_tiny_model(tmp_path):
     assert config["text_config"]["quantization_config"] == QUANTIZATION_CONFIG
 
     # exactly the quantized weights: logits bit-identical to the model with fake-quantized experts
-    loaded = load_packed(tmp_path / "exact").eval()
+    loaded = load_pretrained(tmp_path / "exact").eval()
     assert torch.equal(loaded(ids), with_quantized_experts(model)(ids))
     assert "quantization_config" not in loaded.config.to_dict()["text_config"], "the loaded model is dense"
 
@@ -77,7 +77,7 @@ def test_round_trip_tiny_model(tmp_path):
 
     # the published form: bf16 everywhere else
     save_packed(model, tmp_path / "bf16")
-    bf16 = load_packed(tmp_path / "bf16").eval()
+    bf16 = load_pretrained(tmp_path / "bf16").eval()
     emb = bf16.model.embed_tokens.weight
     assert emb.dtype == torch.bfloat16
     assert bf16.model.layers[1].block_sparse_moe.gate.weight.dtype == torch.float32  # router pinned fp32
@@ -131,7 +131,7 @@ def test_official_layout_loads(tmp_path):
         {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in tensors}}))
     (tmp_path / "config.json").write_text(json.dumps(raw))
 
-    model = load_packed(tmp_path).eval()
+    model = load_pretrained(tmp_path).eval()
     expert = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
     packed, scale = tensors[expert + ".weight_packed"], tensors[expert + ".weight_scale"]
     w = model.model.layers[1].block_sparse_moe.experts.w2[3]
@@ -158,4 +158,4 @@ def test_load_rejects_other_formats(tmp_path):
     config["text_config"]["quantization_config"]["format"] = "nvfp4-pack-quantized"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(PackedCheckpointError, match="unsupported quantization_config"):
-        load_packed(tmp_path)
+        load_pretrained(tmp_path)

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from k3.cli import main
-from k3.model.checkpoint import save_pretrained
+from k3.model.checkpoint import load_pretrained, save_pretrained
 from k3.model.transformer import K3ForCausalLM
 from k3.quant.cli import REPORT_FILE
-from k3.quant.packed_checkpoint import load_packed
 from tests.test_model import randomized, small_config
 
 
@@ -37,7 +36,7 @@ def test_quantize_verb(tmp_path, capsys):
         assert r["worst"] >= max(r["w1"], r["w2"], r["w3"]) - 1e-12
     assert rows[-1]["experts"] == len(moe_layers) * model.config.num_experts
 
-    loaded = load_packed(tmp_path / "mx").eval()
+    loaded = load_pretrained(tmp_path / "mx").eval()
     assert torch.isfinite(loaded(torch.randint(0, 256, (1, 8)))).all()
 
     # refusals: an already packed input, a non-empty output

@@ -7,12 +7,14 @@ import math
 
 import pytest
 import torch
+
+from k3.model.checkpoint import load_pretrained
 from torch import nn
 from torch.nn import functional as F
 
 from k3.model.transformer import K3ForCausalLM
 from k3.quant.mx import E2M1, E4M3, fake_quantize
-from k3.quant.packed_checkpoint import load_packed, save_packed
+from k3.quant.packed_checkpoint import save_packed
 from k3.model.experts import RoutedExperts
 from k3.quant.qat import MXQATExperts, apply_qat, fake_quantize_ste
 from tests.conftest import assert_rel_close
@@ -137,12 +139,12 @@ def test_qat_run_tracks_dense_and_export_serves_it_exactly(run, request, tmp_pat
 
     # export the trained model (exact dtype), load it, serve it with the same MXFP8 activation cast
     save_packed(trainer.model, tmp_path / "export", dtype=None)
-    served = load_packed(tmp_path / "export")
+    served = load_pretrained(tmp_path / "export")
     apply_qat(served)  # re-quantizing MXFP4 values is the identity; this adds the activation cast
     trainer.model = served
     assert trainer.evaluate(eval_windows)["val_loss"] == qat_val
 
     # the published form (bf16 elsewhere, W4A16 as its quantization_config says) stays close
     save_packed(served, tmp_path / "published")
-    trainer.model = load_packed(tmp_path / "published")
+    trainer.model = load_pretrained(tmp_path / "published")
     assert abs(trainer.evaluate(eval_windows)["val_loss"] - qat_val) / qat_val < 0.02

@@ -141,14 +141,21 @@ def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | None = None,
                     config: K3Config | None = None):
-    """Build a K3ForCausalLM from an HF-layout directory (ours, the official layout, or one written
-    by transformers' KimiLinearForCausalLM). Every parameter must be present: missing or unexpected
-    tensors are an error naming them."""
+    """Build a K3ForCausalLM from an HF-layout directory: ours, the official layout (incl. the
+    MXFP4 `mxfp4-pack-quantized` routed experts, dequantized at load by k3/quant), or one written by
+    transformers' KimiLinearForCausalLM. Every parameter must be present: missing or unexpected
+    tensors are an error naming them. fp32-by-SPEC tensors stay fp32 whatever `dtype` asks."""
     from k3.model.transformer import K3ForCausalLM
+    from k3.quant.packed_checkpoint import is_packed_checkpoint, read_packed
 
     directory = Path(directory)
-    config = K3Config.from_json(directory / "config.json") if config is None else config
-    tensors = official_to_state_dict(config, read_safetensors(directory))
+    if is_packed_checkpoint(directory):
+        packed_config, tensors = read_packed(directory, dtype=dtype)
+        config = config or packed_config
+    else:
+        config = K3Config.from_json(directory / "config.json") if config is None else config
+        tensors = read_safetensors(directory)
+    tensors = official_to_state_dict(config, tensors)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     expected = set(model.state_dict().keys())
@@ -162,8 +169,7 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
         t = tensors[name]
         if tuple(t.shape) != tuple(ref.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(ref.shape)}")
-        # fp32-by-SPEC tensors (A_log, dt_bias, router bias) stay fp32 whatever `dtype` asks
-        target = t.dtype if dtype is None else (torch.float32 if _keeps_fp32(name) else dtype)
+        target = torch.float32 if keeps_fp32(name) else (t.dtype if dtype is None else dtype)
         state[name] = t.to(device=device, dtype=target)
     model.load_state_dict(state, assign=True, strict=True)
     if config.tie_word_embeddings:
@@ -171,5 +177,6 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
     return model
 
 
-def _keeps_fp32(name: str) -> bool:
-    return name.endswith(("A_log", "dt_bias", "e_score_correction_bias"))
+def keeps_fp32(name: str) -> bool:
+    """Tensors SPEC keeps in fp32 (k3/model/precision.py), whatever dtype a checkpoint stored."""
+    return name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "block_sparse_moe.gate.weight"))

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from k3.config import K3Config
-from k3.model.checkpoint import (DEFAULT_SHARD_BYTES, _keeps_fp32, official_to_state_dict, read_safetensors,
-                                 save_pretrained, state_dict_to_official)
+from k3.model.checkpoint import (DEFAULT_SHARD_BYTES, keeps_fp32, read_safetensors, save_pretrained,
+                                 state_dict_to_official)
 from k3.quant.mx import dequantize, quantize
 from k3.quant.targets import WEIGHT_FORMAT, WEIGHT_RULE, is_routed_expert_linear
 
@@ -73,7 +73,7 @@ def pack_tensors(tensors: dict[str, torch.Tensor], *, dtype: torch.dtype | None 
         if name.endswith(".weight") and is_routed_expert_linear(module):
             packed, scale = quantize(t.detach(), WEIGHT_FORMAT, WEIGHT_RULE)
             out[module + PACKED_SUFFIX], out[module + SCALE_SUFFIX] = packed, scale
-        elif dtype is not None and t.is_floating_point() and not _keeps_fp32(name):
+        elif dtype is not None and t.is_floating_point() and not keeps_fp32(name):
             out[name] = t.detach().to(dtype)
         else:
             out[name] = t.detach()
@@ -144,37 +144,20 @@ def save_packed(model, directory: str | Path, *, dtype: torch.dtype | None = tor
                            config_dict=with_quantization_config(model.config))
 
 
-def load_packed(directory: str | Path, *, device=None, dtype: torch.dtype | None = None):
-    """K3ForCausalLM from a checkpoint in the MXFP4 packed layout (ours or the official one),
-    dequantized at load. dtype None keeps the checkpoint's dtypes; experts take the embedding's."""
-    from k3.model.transformer import K3ForCausalLM
-
+def read_packed(directory: str | Path, *, dtype: torch.dtype | None = None) -> tuple[K3Config, dict[str, torch.Tensor]]:
+    """The dense config and the official-name tensors of a packed checkpoint (ours or the official
+    one), routed experts dequantized to `dtype` (default: the embedding's dtype). The returned
+    config has no `quantization_config`: the model it builds is dense, and saving it again must
+    not claim packed weights. `k3.model.checkpoint.load_pretrained` builds the model from these."""
     directory = Path(directory)
     raw, qc = split_quantization_config(json.loads((directory / "config.json").read_text()))
     if qc is None:
-        raise PackedCheckpointError(f"{directory}/config.json has no quantization_config; use load_pretrained")
+        raise PackedCheckpointError(f"{directory}/config.json has no quantization_config")
     check_quantization_config(qc)
-    # The loaded model is dense: its config must not claim packed weights if it is saved again.
-    config = K3Config.from_dict(raw)
     tensors = read_safetensors(directory)
     embed = next((t for n, t in tensors.items() if n.endswith("embed_tokens.weight")), None)
     expert_dtype = dtype or (embed.dtype if embed is not None else torch.bfloat16)
-    state = official_to_state_dict(config, unpack_tensors(tensors, expert_dtype))
-    if dtype is not None:
-        state = {n: t.to(dtype) if t.is_floating_point() and not _keeps_fp32(n) else t for n, t in state.items()}
-    with torch.device("meta"):
-        model = K3ForCausalLM(config)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise PackedCheckpointError(f"checkpoint {directory} does not match its config: missing {missing[:8]}, "
-                                    f"unexpected {unexpected[:8]}")
-    model.load_state_dict(state, assign=True, strict=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    # One move through Module._apply: modules that pin fp32 (the router, k3/model/moe.py) re-assert
-    # it there, whatever dtype the checkpoint stored them in.
-    return model.to(device or "cpu")
+    return K3Config.from_dict(raw), unpack_tensors(tensors, expert_dtype)
 
 
 def is_packed_checkpoint(directory: str | Path) -> bool:
