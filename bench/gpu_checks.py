@@ -115,24 +115,23 @@ class Checker:
                 tf32_bound: float | None = None, note: str = "") -> None:
         ref, out = ref.detach().float().cpu(), out.detach().float().cpu()
         if ref.shape != out.shape:
-            status, err = "FAIL", math.inf
-            note = f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+            self._emit(name, math.inf, bound, "FAIL", f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
         elif not torch.isfinite(out).all():
-            status, err = "FAIL", math.inf
-            note = "non-finite values in output"
+            self._emit(name, math.inf, bound, "FAIL", "non-finite values in output")
         else:
             err = rel_err(ref, out)
             status = ("PASS" if err <= bound else
                       "PASS(tf32)" if tf32_bound is not None and err <= tf32_bound else "FAIL")
-        self.record({"kind": "check", "name": name, "rel": err, "bound": bound, "tf32_bound": tf32_bound,
-                     "status": status, "note": note})
-        print(f"{name:<64} rel {err:9.2e}  bound {bound:7.0e}  {status}{'  ' + note if note else ''}", flush=True)
+            self._emit(name, err, bound, status, note, tf32_bound)
 
     def scalar(self, name: str, value: float, bound: float, note: str = "") -> None:
         """A measured error that is not a tensor comparison (e.g. a ratio that must be 0)."""
-        status = "PASS" if value <= bound else "FAIL"
-        self.record({"kind": "check", "name": name, "rel": value, "bound": bound, "status": status, "note": note})
-        print(f"{name:<64} rel {value:9.2e}  bound {bound:7.0e}  {status}{'  ' + note if note else ''}", flush=True)
+        self._emit(name, value, bound, "PASS" if value <= bound else "FAIL", note)
+
+    def _emit(self, name: str, err: float, bound: float, status: str, note: str, tf32_bound: float | None = None):
+        self.record({"kind": "check", "name": name, "rel": err, "bound": bound, "tf32_bound": tf32_bound,
+                     "status": status, "note": note})
+        print(f"{name:<64} rel {err:9.2e}  bound {bound:7.0e}  {status}{'  ' + note if note else ''}", flush=True)
 
     def skip(self, name: str, why: str) -> None:
         self.record({"kind": "check", "name": name, "status": "SKIP", "note": why})
@@ -258,9 +257,9 @@ def fla_safe_gate_accuracy(c: Checker) -> None:
 def checks_kda(c: Checker) -> None:
     lengths = [1, 5, 20] if c.smoke else [1, 63, 64, 200, 672]  # awkward: 1, odd, one chunk, partial
     c.run("kda bf16", lambda: kda_vs_reference(c, torch.bfloat16), 40)
-    c.run("kda packed bf16", lambda: kda_vs_reference(c, torch.bfloat16, lengths), 40)
     c.run("kda prefix invariance", lambda: prefix_invariance(c, f"kda[{c.fast}] bf16 prefix", kda_op(c.fast),
                                                              torch.bfloat16), 20)
+    c.run("kda packed bf16", lambda: kda_vs_reference(c, torch.bfloat16, lengths), 40)
     c.run("kda fp32", lambda: kda_vs_reference(c, torch.float32), 40)
     if not c.fla:
         c.skip("fla chunk_kda safe_gate=True", "needs CUDA and fla")
