@@ -53,6 +53,8 @@ class RoutedExperts(nn.Module):
         w1, w3, w2 = self.weights()
         x = self.inputs(x)
         if _grouped_mm_available(x):
+            # _grouped_mm is not autocast-aware (pytorch#174763): match the activations' dtype
+            w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
             offs = counts.cumsum(0).to(torch.int32)
             gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
             up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)

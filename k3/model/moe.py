@@ -57,7 +57,8 @@ class MoEGate(KeepsFP32):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert indices [N, k] int64)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight))
+        with torch.autocast(x.device.type, enabled=False):  # SPEC §6: the router runs in fp32, autocast or not
+            scores = torch.sigmoid(F.linear(x.float(), self.weight))
         idx = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, idx)
         if self.renormalize:
