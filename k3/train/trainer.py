@@ -109,6 +109,7 @@ def _validate(s: TrainSettings, world: World, max_positions: int) -> None:
 
 class Trainer:
     def __init__(self, settings: TrainSettings, *, resume: bool = False, progress: bool = True, log=print):
+        self._created = time.perf_counter()  # wall time counts setup too (tokenizer, tokenization)
         self.s = settings
         self.world = init_world(settings.device)
         self.progress = progress and self.world.is_main
@@ -298,6 +299,7 @@ class Trainer:
     def train(self) -> dict:
         """Run to `steps`; returns the final eval record plus where things went."""
         s = self.s
+        self.elapsed += time.perf_counter() - self._created
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
