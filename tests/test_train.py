@@ -160,3 +160,15 @@ def test_bad_input_is_a_clear_error_with_no_output(tmp_path, capsys, case):
                 "resume-with-flags": "drop --steps"}[case]
     assert err.startswith("k3 train: error:") and expected in err, err
     assert not out.exists()
+
+
+def test_grad_accumulation_matches_one_micro_batch(tmp_path):
+    """4 sequences as 2 micro-batches of 2 = one batch of 4 (loss normalized by the step's targets).
+    Balancing is off: it reads the last micro-batch's router scores only."""
+    def run(name, accum):
+        t = Trainer(tiny_settings(tmp_path, name, grad_accum=accum, balance="none"), progress=False, log=quiet)
+        return [t.train_step()["loss"] for _ in range(3)]
+
+    whole, split = run("whole", 1), run("split", 2)
+    for a, b in zip(whole, split):
+        assert abs(a - b) / a < 1e-5, (whole, split)
