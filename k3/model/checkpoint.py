@@ -32,11 +32,12 @@ _ALIASES = [
 ]
 
 
-def state_dict_to_official(model) -> dict[str, torch.Tensor]:
-    """Our state dict under the official names (tied lm_head dropped: safetensors stores no aliases)."""
+def state_dict_to_official(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Our state dict (the model's own, or e.g. one gathered from FSDP shards) under the official
+    names (tied lm_head dropped: safetensors stores no aliases)."""
     prefix = model.config.checkpoint_prefix
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict() if state_dict is None else state_dict).items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         stacked = _STACKED_EXPERTS.match(name)

@@ -48,14 +48,15 @@ class K3DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h)
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
-    def forward_residual(self, h: torch.Tensor, cu_seqlens=None, state=None) -> torch.Tensor:
-        """Plain pre-norm residual (no `attn_res_block_size`)."""
-        h = h + self.mixer(h, cu_seqlens, state)
-        return h + self.ffn(h)
-
-    def forward_attn_res(self, prefix: torch.Tensor, blocks: list[BlockSource], cu_seqlens=None, state=None):
-        """Block AttnRes bookkeeping of SPEC §5 for one layer; returns the new running `prefix`
-        (the partial sum of the current block) and mutates `blocks` when a block starts."""
+    def forward(self, h: torch.Tensor, blocks: list[BlockSource] | None = None, cu_seqlens=None, state=None):
+        """One layer. Plain pre-norm residual when the model has no AttnRes (`blocks` is None);
+        otherwise the Block AttnRes bookkeeping of SPEC §5: `h` is the running `prefix` (the partial
+        sum of the current block), returned updated, and `blocks` grows when this layer opens a
+        block. One entry point, so FSDP2 units and activation checkpointing wrap whole layers."""
+        if blocks is None:
+            h = h + self.mixer(h, cu_seqlens, state)
+            return h + self.ffn(h)
+        prefix = h
         h = prefix if not blocks else attn_res_read(prefix, blocks, self.self_attention_res_proj,
                                                      self.self_attention_res_norm)
         a = self.mixer(h, cu_seqlens, state)
@@ -83,13 +84,10 @@ class K3Model(nn.Module):
         """[B, T] -> final hidden states [B, T, D] (after the last norm)."""
         h = self.embed_tokens(input_ids)
         states = cache.layers if cache is not None else [None] * len(self.layers)
-        if self.config.attn_res_block_size is None:
-            for layer, state in zip(self.layers, states):
-                h = layer.forward_residual(h, cu_seqlens, state)
-        else:
-            blocks: list[BlockSource] = []
-            for layer, state in zip(self.layers, states):
-                h = layer.forward_attn_res(h, blocks, cu_seqlens, state)
+        blocks: list[BlockSource] | None = None if self.config.attn_res_block_size is None else []
+        for layer, state in zip(self.layers, states):
+            h = layer(h, blocks, cu_seqlens, state)
+        if blocks is not None:
             h = attn_res_read(h, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(h)
 

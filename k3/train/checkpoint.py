@@ -22,7 +22,6 @@ import json
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -76,8 +75,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, tra
         tmp = ckpt_root / f".{final.name}.tmp"
         tmp.mkdir()
         # official names from the gathered (full) state dict, not from the possibly sharded module
-        full = SimpleNamespace(config=model.config, state_dict=lambda: model_sd)
-        save_pretrained(model, tmp, tensors=state_dict_to_official(full))
+        save_pretrained(model, tmp, tensors=state_dict_to_official(model, model_sd))
         write_extras(tmp)
         opt_tensors, groups = _flatten_optimizer(optim_sd)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))

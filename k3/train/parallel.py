@@ -49,16 +49,11 @@ def init_world(device: str) -> World:
 
 
 def shard_model(model: torch.nn.Module, world: World) -> torch.nn.Module:
-    """FSDP2: one unit per mixer and per FFN of every layer (the bulk of the weights), then the
-    root (embedding, norms, AttnRes queries, lm_head).
-
-    FSDP2 gathers a unit's weights in hooks on the module's __call__. The decoder layer is driven
-    through `forward_attn_res` / `forward_residual` rather than called, so the layer itself cannot
-    be a unit; its mixer and FFN are called and can."""
+    """FSDP2: one unit per decoder layer (the bulk of the weights), then the root (embedding,
+    final norm, output AttnRes read, lm_head), as torchtitan does."""
     mesh = init_device_mesh(world.device.type, (world.size,))
     for layer in model.model.layers:
-        fully_shard(layer.self_attn, mesh=mesh)
-        fully_shard(layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
