@@ -23,9 +23,11 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
-        sys.exit(0 if not argv or argv[0] in ("-h", "--help") else 2)
+        sys.exit(0)
+    if argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
     module_name, help_text = COMMANDS[argv[0]]
     module = importlib.import_module(module_name)
     verb = argparse.ArgumentParser(prog=f"k3 {argv[0]}", description=help_text)

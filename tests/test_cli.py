@@ -1,0 +1,16 @@
+import pytest
+
+from k3.cli import main
+
+
+def test_unknown_verb_names_itself(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["trian"])
+    assert exit_.value.code == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_no_verb_prints_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 0 and "params" in capsys.readouterr().out
