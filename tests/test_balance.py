@@ -178,3 +178,23 @@ def test_balance_step_rules_and_noop():
         balance_step(model, "aux_loss")
     with pytest.raises(ValueError, match="histogram"):
         balance_step(model, "quantile", reduce_fn=lambda t: t)
+
+
+def test_micro_batches_of_one_step_are_balanced_together():
+    """QB balances the step's m tokens (SPEC §6): two micro-batches = one batch of both."""
+    import copy
+
+    cfg = load_config("k3-tiny").replace(hidden_size=32, num_experts=8, num_experts_per_token=2,
+                                         moe_intermediate_size=16, routed_expert_hidden_size=16)
+    torch.manual_seed(0)
+    split = StableLatentMoE(cfg).train()
+    whole = copy.deepcopy(split)
+    x = torch.randn(64, 32)
+    split(x[:40])
+    split(x[40:])
+    whole(x)
+    assert int(split.gate.expert_load.sum()) == 64 * 2
+    balance_step(split, "quantile")
+    balance_step(whole, "quantile")
+    assert torch.equal(split.gate.e_score_correction_bias, whole.gate.e_score_correction_bias)
+    assert split.gate.last_scores is None and split.gate.expert_load is None

@@ -126,11 +126,13 @@ def moe_layers(model: nn.Module) -> dict[str, StableLatentMoE]:
 @torch.no_grad()
 def balance_step(model: nn.Module, rule: str | None = "quantile", *, gamma: float = 1e-3,
                  edges: torch.Tensor | None = None, reduce_fn: ReduceFn | None = None) -> None:
-    """Update every MoE layer's selection bias from what its gate recorded in the last training
-    forward. rule: "quantile" (exact QB, this process's tokens only), "histogram" (QB from margin
+    """Update every MoE layer's selection bias from what its gate recorded in the training forwards
+    since the previous call (all micro-batches of the step). rule: "quantile" (exact QB, this process's tokens only), "histogram" (QB from margin
     histograms, `reduce_fn` pools them across ranks), "sign" (DeepSeek-V3, `reduce_fn` pools the
-    loads), None (no-op). Frees the recorded scores."""
+    loads), None (no update). Frees the records either way."""
     if rule is None:
+        for moe in moe_layers(model).values():  # nothing to apply, but the step's records end here
+            moe.gate.last_scores = moe.gate.expert_load = None
         return
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES} or None, got {rule!r}")
@@ -153,9 +155,9 @@ def balance_step(model: nn.Module, rule: str | None = "quantile", *, gamma: floa
                 counts = reduce_fn(counts)
             new = histogram_balance(counts, bin_edges, gate.top_k)
         bias.copy_(new)
-        gate.last_scores = None
+        gate.last_scores = gate.expert_load = None
 
 
 def expert_loads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Tokens routed to each expert in the last training forward, per MoE layer (for logging)."""
+    """Tokens routed to each expert since the last balance_step, per MoE layer (for logging)."""
     return {name: moe.gate.expert_load for name, moe in moe_layers(model).items() if moe.gate.expert_load is not None}

@@ -32,8 +32,9 @@ class MoEGate(KeepsFP32):
     """Sigmoid top-k router with an aux-loss-free selection bias (`noaux_tc`, DeepSeek-V3 style).
     Both tensors stay fp32 through a model-wide dtype cast (k3/model/precision.py).
 
-    In training mode it keeps (detached) what balancing needs from the last forward:
-    `last_scores` [N, E] fp32 and `expert_load` [E] int64 (tokens routed to each expert).
+    In training mode it accumulates (detached) what balancing needs over every forward since the
+    last `balance_step` — all micro-batches of one optimizer step, since QB balances the step's m
+    tokens (SPEC §6): `last_scores` [N, E] fp32 and `expert_load` [E] int64 (tokens per expert).
     """
 
     FP32_TENSORS = ("weight", "e_score_correction_bias")
@@ -65,8 +66,10 @@ class MoEGate(KeepsFP32):
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights * self.routed_scaling_factor
         if self.training:
-            self.last_scores = scores.detach()
-            self.expert_load = torch.bincount(idx.flatten(), minlength=self.num_experts)
+            load = torch.bincount(idx.flatten(), minlength=self.num_experts)
+            first = self.last_scores is None
+            self.last_scores = scores.detach() if first else torch.cat([self.last_scores, scores.detach()])
+            self.expert_load = load if first else self.expert_load + load
         return weights, idx
 
 
