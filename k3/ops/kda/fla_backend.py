@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from k3.ops.kda.inputs import check_kda_inputs
+
 FLA_CHUNK_SIZES = (32, 64)
 
 
@@ -54,6 +56,8 @@ def kda_fla(
                            "use impl='chunk' or 'auto' instead")
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # fail here, not inside a Triton launch
+
     # fla's kernels take one activation dtype for q/k/v/beta; g and the state stay fp32.
     dtype = v.dtype
     q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.float()
@@ -67,6 +71,9 @@ def kda_fla(
     if longest == 1 and not needs_grad:
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
-        o, state = chunk_kda(q, k, v, g, beta, **common,
+        # Everything arrives activated (gate, L2 norm, beta) and the state key-first [N, H, K, V];
+        # the in-kernel variants stay off until fla issue #1240's prefix-invariance check passes here.
+        o, state = chunk_kda(q, k, v, g, beta, **common, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                             use_beta_sigmoid_in_kernel=False, safe_gate=False, state_v_first=False,
                              chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
     return o, state if output_final_state else None
