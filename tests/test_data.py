@@ -61,7 +61,7 @@ def test_single_text_file_is_cut_at_paragraphs(tmp_path):
     assert train and val
 
 
-@pytest.mark.parametrize("case", ["missing", "empty-dir", "blank-file", "bad-json", "no-text-field"])
+@pytest.mark.parametrize("case", ["missing", "empty-dir", "blank-file", "bad-json", "no-text-field", "not-utf8"])
 def test_bad_data_is_a_clear_error(tmp_path, case):
     path = tmp_path / "data"
     if case == "empty-dir":
@@ -75,8 +75,11 @@ def test_bad_data_is_a_clear_error(tmp_path, case):
     elif case == "no-text-field":
         path = tmp_path / "x.jsonl"
         path.write_text('{"body": "no text"}\n')
+    elif case == "not-utf8":
+        path = tmp_path / "x.jsonl"
+        path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     expected = {"missing": "does not exist", "empty-dir": "empty corpus", "blank-file": "empty corpus",
-                "bad-json": "x.jsonl:2", "no-text-field": "'text'"}[case]
+                "bad-json": "x.jsonl:2", "no-text-field": "'text'", "not-utf8": "x.jsonl.*not UTF-8"}[case]
     with pytest.raises(DataError, match=expected):
         load_documents(path)
 
@@ -116,3 +119,40 @@ def test_tokenizer_saves_hf_format(small_tokenizer, tmp_path):
     again = load_tokenizer(tmp_path)
     assert again.encode("Hamlet").ids == small_tokenizer.encode("Hamlet").ids
     assert json.loads((tmp_path / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+
+
+@pytest.mark.parametrize("ids", ["null", "repeated", "numeric-across-files"])
+def test_split_survives_null_and_repeated_ids(tmp_path, ids):
+    """Records' own ids may be null or repeated: the split keys on file and line, so both sides
+    stay non-empty and val keeps its fraction."""
+    if ids == "numeric-across-files":
+        for name in ("a.jsonl", "b.jsonl"):
+            (tmp_path / name).write_text("".join(json.dumps({"id": i, "text": f"{name} doc {i}"}) + "\n"
+                                                 for i in range(10)))
+        source = tmp_path
+    else:
+        source = tmp_path / "x.jsonl"
+        source.write_text("".join(json.dumps({"id": None if ids == "null" else "same", "text": f"doc {i}"}) + "\n"
+                                  for i in range(20)))
+    docs = load_documents(source)
+    assert len(docs) == 20
+    train, val = split_documents(docs, 0.1)
+    assert len(val) == 2 and len(train) == 18
+    _, val2 = split_documents(list(reversed(docs)), 0.1)
+    assert {d.text for d in val2} == {d.text for d in val}
+    if ids == "null":
+        assert docs[0].id == "x.jsonl:1"
+
+
+def test_split_never_leaves_train_empty():
+    docs = [Document("same", f"text {i}") for i in range(3)]
+    train, val = split_documents(docs, 0.9)
+    assert len(train) == 1 and len(val) == 2
+
+
+def test_empty_token_stream_is_a_data_error(small_tokenizer):
+    from k3.train.packing import tokenize_documents
+
+    ids = special_ids(small_tokenizer)
+    with pytest.raises(DataError, match="no documents"):
+        tokenize_documents(small_tokenizer, [], ids["bos"], ids["eos"])

@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3.config import load_config
 from k3.data.corpus import load_documents, split_documents
 from k3.train import cli as train_cli
 from k3.train import generate_cli
-from k3.train.trainer import Trainer, TrainSettings
+from k3.train.metrics import MetricsLog
+from k3.train.trainer import Trainer, TrainError, TrainSettings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,7 +136,8 @@ def test_generate_streams_text(reference_run, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing-data", "empty-corpus", "unknown-preset", "seq-too-long", "unwritable-out",
-                                  "resume-with-flags"])
+                                  "resume-with-flags", "bad-device", "cuda-missing", "small-vocab",
+                                  "resume-corrupt-run", "resume-unknown-key"])
 def test_bad_input_is_a_clear_error_with_no_output(tmp_path, capsys, case):
     out = tmp_path / "run"
     argv = ["--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
@@ -153,13 +156,30 @@ def test_bad_input_is_a_clear_error_with_no_output(tmp_path, capsys, case):
         argv = ["--out", str(out), "--no-progress"]
     elif case == "resume-with-flags":
         argv = ["--resume", str(out), "--steps", "3"]
+    elif case == "bad-device":
+        argv += ["--device", "foo"]
+    elif case == "cuda-missing":
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+        argv += ["--device", "cuda"]
+    elif case == "small-vocab":
+        argv += ["--set", "vocab_size=100"]
+    elif case in ("resume-corrupt-run", "resume-unknown-key"):
+        out.mkdir()
+        (out / "run.json").write_text('{"steps": 3' if case == "resume-corrupt-run" else '{"steps": 3, "bogus": 1}')
+        argv = ["--resume", str(out)]
     assert _cli(argv) == 2
     err = capsys.readouterr().err
     expected = {"missing-data": "does not exist", "empty-corpus": "empty corpus", "unknown-preset": "unknown preset",
                 "seq-too-long": "sequence length 100000", "unwritable-out": "not writable",
-                "resume-with-flags": "drop --steps"}[case]
-    assert err.startswith("k3 train: error:") and expected in err, err
-    assert not out.exists()
+                "resume-with-flags": "drop --steps", "bad-device": "device must be", "cuda-missing": "no CUDA",
+                "small-vocab": "vocab_size must be an integer >= 262", "resume-corrupt-run": "not a readable run file",
+                "resume-unknown-key": "unknown settings ['bogus']"}[case]
+    assert err.startswith("k3 train: error:") and expected in err and err.count("\n") == 1, err
+    if case.startswith("resume-c") or case.startswith("resume-u"):
+        assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+    else:
+        assert not out.exists()
 
 
 def test_grad_accumulation_matches_one_micro_batch(tmp_path):
@@ -172,3 +192,47 @@ def test_grad_accumulation_matches_one_micro_batch(tmp_path):
     whole, split = run("whole", 1), run("split", 2)
     for a, b in zip(whole, split):
         assert abs(a - b) / a < 1e-5, (whole, split)
+
+
+def test_metrics_skip_a_partial_last_line(tmp_path):
+    """kill -9 during an append leaves half a line: resume reads past it and truncation drops it."""
+    log = MetricsLog(tmp_path)
+    for step in (1, 2, 3):
+        log.write({"kind": "train", "step": step, "loss": 1.0})
+    with open(log.path, "a") as f:
+        f.write('{"kind": "train", "st')
+    assert [r["step"] for r in log.read()] == [1, 2, 3]
+    log.truncate_after(2)
+    assert [json.loads(l)["step"] for l in log.path.read_text().splitlines()] == [1, 2]
+    log.path.write_text('{"kind": "train", "st\n{"kind": "train", "step": 1}\n')
+    with pytest.raises(TrainError, match="metrics.jsonl:1"):
+        log.read()
+
+
+def test_token_cache_temp_names_are_per_process(tmp_path, monkeypatch):
+    """Ranks of one torchrun job fill a fresh cache at once: their temp files must not collide."""
+    from k3.train import packing
+    from k3.train.tokenizer import special_ids, train_tokenizer
+
+    texts = ["one document", "another document"]
+    tok = train_tokenizer(texts, 300)
+    ids = special_ids(tok)
+    seen = []
+    real_save = packing.np.save
+    monkeypatch.setattr(packing.np, "save", lambda path, arr: (seen.append(Path(path).name), real_save(path, arr)))
+    stream = packing.cached_token_stream(tmp_path, tok, texts, ids["bos"], ids["eos"])
+    assert seen and all(f".{os.getpid()}.tmp" in name for name in seen), seen
+    cached = packing.cached_token_stream(tmp_path, tok, texts, ids["bos"], ids["eos"])
+    assert (cached.tokens == stream.tokens).all()
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+def test_failed_setup_shuts_the_process_group_down(tmp_path, monkeypatch):
+    """An error after init_world (here: an unknown preset) must not leave a process group behind."""
+    from k3.train import trainer as trainer_mod
+
+    calls = []
+    monkeypatch.setattr(trainer_mod, "shutdown", lambda world: calls.append(world))
+    with pytest.raises(TrainError, match="unknown preset"):
+        Trainer(TrainSettings(config="k3-huge", out=str(tmp_path / "run")), progress=False, log=quiet)
+    assert len(calls) == 1 and not (tmp_path / "run").exists()

@@ -10,7 +10,9 @@ A corpus of a single document (one plain text file) is cut into `SINGLE_DOC_PIEC
 paragraph breaks, so that a split by document still exists.
 
 The split is deterministic and independent of file order: documents are ranked by the SHA-256 of
-their id and the first `ceil(val_fraction * N)` (at least one) form the validation set.
+their split key (unique per document: the bundled work id, the file path, or "file:line" for JSONL,
+whatever the records' own "id" fields say) and the first `ceil(val_fraction * N)` (at least one,
+at most N - 1) form the validation set.
 """
 from __future__ import annotations
 
@@ -31,24 +33,38 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Document:
-    id: str  # stable across runs: bundled work id, relative file path, or "path:line"
+    id: str  # stable across runs: bundled work id, relative file path, the record's "id" or "path:line"
     text: str
+    key: str | None = None  # unique split key ("path:line" for JSONL records); None: the id
+
+    @property
+    def split_key(self) -> str:
+        return self.id if self.key is None else self.key
 
 
-def _read_jsonl(path: Path, opener=open, label: str | None = None) -> list[Document]:
+def _read_jsonl(path: Path, opener=open, label: str | None = None, key_by_id: bool = False) -> list[Document]:
+    """One document per non-blank line. Records' "id" fields may be missing, null or repeated, so
+    the split key is "label:line" (unique) unless `key_by_id` (the bundled corpus, unique ids)."""
     label = label or str(path)
     docs = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{label}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(f"{label}:{lineno}: each JSONL line needs a string field 'text'")
-            docs.append(Document(str(record.get("id", f"{label}:{lineno}")), record["text"]))
+    lineno = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{label}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise DataError(f"{label}:{lineno}: each JSONL line needs a string field 'text'")
+                where = f"{label}:{lineno}"
+                rid = record.get("id")
+                doc_id = where if rid is None else str(rid)
+                docs.append(Document(doc_id, record["text"], None if key_by_id else where))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{label}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
     return docs
 
 
@@ -76,13 +92,14 @@ def _split_paragraphs(doc: Document, pieces: int) -> list[Document]:
             current, size = [], 0
     if current:
         out.append("\n\n".join(current))
-    return [Document(f"{doc.id}#{i}", text) for i, text in enumerate(out)]
+    return [Document(f"{doc.id}#{i}", text, None if doc.key is None else f"{doc.key}#{i}")
+            for i, text in enumerate(out)]
 
 
 def load_documents(source: str | Path | None = None) -> list[Document]:
     """All documents of a source (see the module docstring); raises DataError when none has text."""
     if source is None:
-        docs = _read_jsonl(BUNDLED, opener=lzma.open, label="bundled corpus")
+        docs = _read_jsonl(BUNDLED, opener=lzma.open, label="bundled corpus", key_by_id=True)
         where = f"the bundled corpus {BUNDLED}"
     else:
         path = Path(source)
@@ -107,13 +124,23 @@ def load_documents(source: str | Path | None = None) -> list[Document]:
 
 
 def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
-    """(train, val): deterministic by document id, at least one document on each side."""
+    """(train, val): deterministic by split key, at least one document on each side.
+
+    Membership is by position, not by key, so documents with equal ids or keys never collapse
+    into one side (ties are broken by the text's hash, which keeps the split order-free)."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val fraction must be in (0, 1), got {val_fraction}")
     if len(docs) < 2:
         raise DataError(f"need at least 2 documents for a train/val split, got {len(docs)}")
-    ranked = sorted(docs, key=lambda d: hashlib.sha256(d.id.encode()).hexdigest())
+    def rank(i: int) -> tuple[str, str]:
+        d = docs[i]
+        return hashlib.sha256(d.split_key.encode()).hexdigest(), hashlib.sha256(d.text.encode()).hexdigest()
+
     n_val = min(len(docs) - 1, max(1, math.ceil(val_fraction * len(docs))))
-    val_ids = {d.id for d in ranked[:n_val]}
+    val_idx = set(sorted(range(len(docs)), key=rank)[:n_val])
     # keep the source order inside each split (reading order; the sampler shuffles windows anyway)
-    return [d for d in docs if d.id not in val_ids], [d for d in docs if d.id in val_ids]
+    train = [d for i, d in enumerate(docs) if i not in val_idx]
+    val = [d for i, d in enumerate(docs) if i in val_idx]
+    if not train or not val:  # cannot happen for len(docs) >= 2; kept as a guard
+        raise DataError(f"corpus of {len(docs)} documents is too small to split into train and val")
+    return train, val

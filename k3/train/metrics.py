@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from k3.train.errors import TrainError
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 REPORT_FILE = "report.md"
@@ -24,12 +26,30 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict]:
+        """All records; an unparsable final line (a run killed during an append) is skipped, one
+        anywhere else is corruption (TrainError)."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        try:
+            lines = [(i, line) for i, line in enumerate(self.path.read_text().splitlines(), 1) if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainError(f"cannot read {self.path}: {e}") from None
+        records = []
+        for n, (lineno, line) in enumerate(lines):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                if n == len(lines) - 1:
+                    break  # partial last line
+                raise TrainError(f"{self.path}:{lineno}: not a metrics record")
+            records.append(record)
+        return records
 
     def truncate_after(self, step: int) -> None:
-        """Drop records of steps after `step` (written by a run that was then interrupted)."""
+        """Drop records of steps after `step` (written by a run that was then interrupted) and a
+        partial last line."""
         kept = [r for r in self.read() if r["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+
+from k3.data.corpus import DataError
 
 IGNORE_INDEX = -100
 
@@ -57,7 +60,7 @@ def tokenize_documents(tok: Tokenizer, texts: list[str], bos_id: int, eos_id: in
         pieces.append(ids)
         offset += len(ids)
     if not pieces:
-        raise ValueError("no documents to tokenize")
+        raise DataError("no documents to tokenize (an empty train or val split)")
     return TokenStream(np.concatenate(pieces), np.asarray(starts, dtype=np.int64))
 
 
@@ -74,7 +77,7 @@ def cached_token_stream(cache_dir: Path, tok: Tokenizer, texts: list[str], bos_i
     stream = tokenize_documents(tok, texts, bos_id, eos_id)
     folder.mkdir(parents=True, exist_ok=True)
     for path, array in ((tok_path, stream.tokens), (start_path, stream.doc_starts)):
-        tmp = path.with_name(path.stem + ".tmp.npy")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")  # per process: ranks may race here
         np.save(tmp, array)
         tmp.replace(path)
     return stream

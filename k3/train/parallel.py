@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from k3.train.errors import TrainError
+
 
 @dataclass(frozen=True)
 class World:
@@ -32,12 +34,29 @@ class World:
         return self.size > 1
 
 
+def parse_device(device: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N`, checked against this machine; TrainError otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise TrainError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise TrainError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainError(f"--device {device} requested but no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise TrainError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def init_world(device: str) -> World:
     """The process's place in the job; starts the process group when launched by torchrun."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but no CUDA device is available")
+    dev = parse_device(device)
+    try:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise TrainError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
     if size == 1:
         return World(0, 1, dev)
     if not dist.is_initialized():

@@ -25,11 +25,12 @@ SPECIAL_TOKENS = {
     "close": "<|close|>",
 }
 TOKENIZER_FILE = "tokenizer.json"
+MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256  # the specials and one token per byte
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE with exactly `vocab_size` ids at most (fewer if the text runs out of merges)."""
-    minimum = len(SPECIAL_TOKENS) + 256
+    minimum = MIN_VOCAB_SIZE
     if vocab_size < minimum:
         raise ValueError(f"vocab size must be >= {minimum} (specials + 256 byte tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())

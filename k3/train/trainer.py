@@ -34,13 +34,14 @@ from k3.model.generate import generate
 from k3.model.params import count_parameters
 from k3.model.transformer import K3ForCausalLM
 from k3.train import checkpoint as ckpt
+from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
 from k3.train.muon import PerHeadMuon, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, pack, window, windows_for_step
 from k3.train.parallel import World, all_reduce_sum, init_world, shard_model, shutdown
 from k3.train.schedule import warmup_cosine
-from k3.train.tokenizer import (load_tokenizer, save_tokenizer, special_ids, token_bytes, tokenizer_fingerprint,
-                                train_tokenizer)
+from k3.train.tokenizer import (MIN_VOCAB_SIZE, load_tokenizer, save_tokenizer, special_ids, token_bytes,
+                                tokenizer_fingerprint, train_tokenizer)
 
 RUN_FILE = "run.json"
 BALANCE_RULES = ("quantile", "histogram", "sign", "none")
@@ -76,10 +77,6 @@ class TrainSettings:
     cache_dir: str | None = None  # tokenizer/token cache; None: $K3_CACHE_DIR or ~/.cache/k3
 
 
-class TrainError(ValueError):
-    """Bad settings or inputs; raised before anything is written."""
-
-
 def _check_writable(path: Path) -> None:
     """The nearest existing ancestor must be a writable folder (so mkdir cannot half-succeed)."""
     probe = path
@@ -91,7 +88,7 @@ def _check_writable(path: Path) -> None:
         raise TrainError(f"output dir {path} is not writable: no write permission on {probe}")
 
 
-def _validate(s: TrainSettings, world: World, max_positions: int) -> None:
+def _validate(s: TrainSettings, world: World, max_positions: int, vocab_size: int) -> None:
     def need(ok: bool, msg: str):
         if not ok:
             raise TrainError(msg)
@@ -105,6 +102,9 @@ def _validate(s: TrainSettings, world: World, max_positions: int) -> None:
     need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
     need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
     need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
+    need(isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size >= MIN_VOCAB_SIZE,
+         f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (the byte-level BPE's special + 256 byte tokens), "
+         f"got {vocab_size!r}")
 
 
 class Trainer:
@@ -114,6 +114,13 @@ class Trainer:
         self.world = init_world(settings.device)
         self.progress = progress and self.world.is_main
         self.log = log if self.world.is_main else (lambda *a, **k: None)
+        try:
+            self._setup(settings, resume)
+        except BaseException:
+            shutdown(self.world)  # the process group started: leave no half-initialized job behind
+            raise
+
+    def _setup(self, settings: TrainSettings, resume: bool) -> None:
         try:
             config = load_config(settings.config)
             unknown = sorted(set(settings.overrides) - {f.name for f in dataclasses.fields(config)})
@@ -127,7 +134,7 @@ class Trainer:
                 config = config.replace(**overrides)
         except (ConfigError, FileNotFoundError, TypeError) as e:
             raise TrainError(str(e)) from None
-        _validate(settings, self.world, config.max_position_embeddings)
+        _validate(settings, self.world, config.max_position_embeddings, config.vocab_size)
         self.run_dir = Path(settings.out) if settings.out else Path("runs") / (
             f"{Path(settings.config).stem}-{datetime.now():%Y%m%d-%H%M%S}")
         if resume:
@@ -151,7 +158,7 @@ class Trainer:
                 self.log(f"training a {config.vocab_size}-token byte-level BPE on {len(train_docs)} documents ...")
                 self.tokenizer = train_tokenizer([d.text for d in train_docs], config.vocab_size)
                 tok_cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = tok_cache.with_name(tok_cache.stem + ".tmp.json")
+                tmp = tok_cache.with_name(f"{tok_cache.stem}.{os.getpid()}.tmp.json")  # ranks may race here
                 self.tokenizer.save(str(tmp))
                 tmp.replace(tok_cache)
         if self.tokenizer.get_vocab_size() > config.vocab_size:
@@ -210,8 +217,33 @@ class Trainer:
         path = Path(run_dir) / RUN_FILE
         if not path.is_file():
             raise TrainError(f"cannot resume: {run_dir} has no {RUN_FILE}")
-        raw = json.loads(path.read_text())
-        raw["sample_prompts"] = tuple(raw.get("sample_prompts", ()))
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TrainError(f"cannot resume: {path} is not a readable run file ({e})") from None
+        if not isinstance(raw, dict):
+            raise TrainError(f"cannot resume: {path} is not a JSON object")
+        fields = {f.name: f for f in dataclasses.fields(TrainSettings)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise TrainError(f"cannot resume: {path} has unknown settings {unknown}")
+        defaults = TrainSettings()
+        for name, value in raw.items():
+            default = getattr(defaults, name)
+            if name == "sample_prompts":
+                ok = isinstance(value, list) and all(isinstance(p, str) for p in value)
+            elif name in ("data", "out", "cache_dir"):
+                ok = value is None or isinstance(value, str)
+            elif isinstance(default, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(default, float):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, type(default)) and not (isinstance(value, bool) and not isinstance(default, bool))
+            if not ok:
+                raise TrainError(f"cannot resume: {path} has a bad value for {name}: {value!r}")
+        if "sample_prompts" in raw:
+            raw["sample_prompts"] = tuple(raw["sample_prompts"])
         settings = TrainSettings(**{**raw, "out": str(run_dir)})
         return cls(settings, resume=True, **kwargs)
 
