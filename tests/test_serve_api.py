@@ -285,3 +285,107 @@ def test_k3_serve_cli_end_to_end(tmp_path, tokenizer):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------- failures
+@pytest.fixture
+def flaky(tokenizer):
+    """The scripted model behind a server whose forward raises while `fail["n"]` > 0 (or forever at -1)."""
+    chat = ChatFormat(tokenizer)
+    script = tokenizer.encode(REPLY, add_special_tokens=False).ids
+    model = ScriptedModel(tokenizer.get_vocab_size(), chat.sep, script, chat.close)
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512, max_num_seqs=8))
+    fail = {"n": 0}
+    execute = engine.runner.execute
+
+    def flaky_execute(out, params):
+        if fail["n"] and out.requests:
+            fail["n"] -= fail["n"] > 0
+            raise RuntimeError("boom")
+        return execute(out, params)
+
+    engine.runner.execute = flaky_execute
+    async_engine = AsyncEngine(engine, tokenizer)
+    with ServerThread(build_app(async_engine, tokenizer, model_name="scripted")) as server:
+        yield server, engine, async_engine, fail
+
+
+def _openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_failed_step_fails_its_requests_only_then_503_when_broken(flaky):
+    server, engine, async_engine, fail = flaky
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    url = server.url + "/v1/chat/completions"
+    fail["n"] = 1
+    assert _openai_error(httpx.post(url, json=body, timeout=60), 500)["type"] == "server_error"
+    wait_idle(engine)
+    assert engine.cache.pool.num_used == 0 and async_engine.error is None and not async_engine._queues
+    assert httpx.post(url, json=body, timeout=60).status_code == 200  # the loop kept running
+    fail["n"] = 1  # streaming: the status line is out, so the error comes as an SSE event, then [DONE]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(lines[-2][6:])["error"]["type"] == "server_error" and lines[-1] == "data: [DONE]"
+    wait_idle(engine)
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.post(url, json=body, timeout=60).status_code == 200  # a good step resets the failure count
+    fail["n"] = -1  # a broken model: after a few failed steps in a row the engine stops
+    for _ in range(AsyncEngine.max_consecutive_step_failures):
+        _openai_error(httpx.post(url, json=body, timeout=60), 500)
+    assert async_engine.error is not None
+    assert _openai_error(httpx.post(url, json=body, timeout=60), 503)["code"] == "engine_unavailable"
+    assert httpx.get(server.url + "/health").status_code == 503
+    assert engine.cache.pool.num_used == 0
+
+
+def test_stream_abandoned_before_its_body_runs_is_aborted(tokenizer):
+    """The client is gone before the SSE generator is first iterated: the request is still aborted."""
+    import asyncio
+
+    model = ScriptedModel(tokenizer.get_vocab_size(), 0, [5] * 8, 6)
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512))
+    async_engine = AsyncEngine(engine, tokenizer)  # not started: nothing steps behind our back
+    app = build_app(async_engine, tokenizer, model_name="m")
+    body = json.dumps({"model": "m", "prompt": "The quick brown fox", "max_tokens": 300, "stream": True,
+                       "ignore_eos": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"t")], "scheme": "http",
+             "server": ("t", 80), "client": ("c", 1)}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("client gone")
+
+    async def main():
+        try:
+            await app(scope, receive, send)
+        except Exception:
+            pass
+
+    asyncio.run(main())
+    assert not async_engine._queues and len(engine._aborts) == 1
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.cache.pool.num_used == 0 and not engine.scheduler.requests
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_cli_bad_model_is_one_line_exit_2(tmp_path, capsys, command):
+    import argparse
+    import importlib
+
+    mod = importlib.import_module("k3.serve.cli" if command == "serve" else "k3.serve.chat_cli")
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    for argv in (["--model", str(tmp_path / "nope")], ["--run", str(tmp_path)]):
+        assert mod.run(p.parse_args(argv)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"k3 {command}: error: ") and "\n" not in err, err

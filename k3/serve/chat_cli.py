@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from k3.serve.cli import add_engine_arguments, engine_config
+from k3.serve.cli import add_engine_arguments, engine_config, usage_error
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,10 @@ def run(args) -> int:
     from k3.serve.loading import load_for_serving
     from k3.serve.sampling import SamplingParams
 
-    model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+    try:
+        model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+    except (ValueError, OSError) as e:  # a bad --run / --model / --tokenizer: one line, not a traceback
+        return usage_error("chat", e)
     engine = LLMEngine(model, engine_config(args))
     chat = ChatFormat(tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from k3.serve.engine import EngineConfig
 
@@ -36,6 +37,11 @@ def engine_config(args) -> EngineConfig:
                         seed=args.seed)
 
 
+def usage_error(command: str, e: BaseException) -> int:
+    print(f"k3 {command}: error: {e}", file=sys.stderr)
+    return 2
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -52,7 +58,10 @@ def run(args) -> int:
     from k3.serve.loading import load_for_serving
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+    try:
+        model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+    except (ValueError, OSError) as e:  # a bad --run / --model / --tokenizer: one line, not a traceback
+        return usage_error("serve", e)
     engine = AsyncEngine(LLMEngine(model, engine_config(args)), tokenizer)
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key)
     run_server(app, args.host, args.port)

@@ -8,6 +8,10 @@ start of the next step (never while the runner is using the request's pages).
 `AsyncEngine` runs `step` on one background thread and hands each request's outputs to its
 asyncio consumer; when the consumer goes away (client disconnect, cancellation) the request is
 aborted and its pages are freed.
+
+A forward that raises fails only the requests of that step (their pages are freed, their streams
+get an `EngineError`); the loop goes on. Only repeated step failures in a row, or an error in the
+engine's own bookkeeping, stop the engine (`AsyncEngine.error`; the API then answers 503).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import itertools
 import logging
 import threading
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -30,6 +35,19 @@ from k3.serve.sampling import SampledToken, SamplingParams
 from k3.serve.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request (or has stopped)."""
+
+
+class StepError(RuntimeError):
+    """A step's forward raised: its requests (`request_ids`) are finished and their pages freed;
+    `outputs` are the step's other outputs (aborts applied before the forward)."""
+
+    def __init__(self, request_ids: list[str], outputs: list["RequestOutput"]):
+        super().__init__(f"engine step failed for {len(request_ids)} request(s)")
+        self.request_ids, self.outputs = request_ids, outputs
 
 
 @dataclass
@@ -72,7 +90,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed)
         self.eos_token_id = model.config.eos_token_id
         self._lock = threading.Lock()
-        self._aborts: list[tuple[str, RequestStatus]] = []
+        # a deque, appended without the lock: abort() may run from a finalizer (gc) on any thread,
+        # even the engine thread while it holds the lock
+        self._aborts: deque[tuple[str, RequestStatus]] = deque()
         self._ids = itertools.count()
         log.info("engine: %d pages of %d bytes (%d tokens each; KDA state %d pages), hash block %d, prefix cache %s",
                  num_pages, self.layout.page_bytes, config.block_size, self.layout.pages_per_state,
@@ -96,8 +116,7 @@ class LLMEngine:
         return request
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        with self._lock:
-            self._aborts.append((request_id, status))
+        self._aborts.append((request_id, status))
 
     @property
     def has_unfinished(self) -> bool:
@@ -106,14 +125,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = []
         with self._lock:
-            for rid, status in self._aborts:
+            while self._aborts:
+                rid, status = self._aborts.popleft()
                 request = self.scheduler.finish(rid, status)
                 if request is not None:
                     outputs.append(self._output(request, []))
-            self._aborts.clear()
             out = self.scheduler.schedule()
             params = {r.request_id: self.scheduler.requests[r.request_id].sampling for r in out.requests}
-        sampled = self.runner.execute(out, params)
+        try:
+            sampled = self.runner.execute(out, params)
+        except Exception as e:  # fail this step's requests only; the scheduler state stays consistent
+            with self._lock:
+                failed = []
+                for r in out.requests:
+                    request = self.scheduler.finish(r.request_id, RequestStatus.FINISHED_ABORTED)
+                    if request is not None:
+                        self.runner.sampler.forget(request.request_id)
+                    failed.append(r.request_id)
+            raise StepError(failed, outputs) from e
         with self._lock:
             for request in self.scheduler.update(out, sampled):
                 outputs.append(self._output(request, [sampled[request.request_id]]))
@@ -177,7 +206,10 @@ class AsyncEngine:
             self._thread.join()
             self._thread = None
 
+    max_consecutive_step_failures = 3  # then the model is taken to be broken: the engine stops
+
     def _loop(self) -> None:
+        failures = 0
         while not self._stop.is_set():
             if not self.engine.has_unfinished:
                 self._wake.wait(0.5)
@@ -185,26 +217,54 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except BaseException as e:  # a model failure must reach every waiting client, not hang it
-                log.exception("engine step failed")
-                self.error = e
-                for loop, queue in list(self._queues.values()):
-                    loop.call_soon_threadsafe(queue.put_nowait, e)
+                failures = 0
+            except StepError as e:
+                failures += 1
+                log.error("engine step failed (%d in a row); failing %d request(s)", failures, len(e.request_ids),
+                          exc_info=e.__cause__)
+                for rid in e.request_ids:
+                    self._emit(rid, EngineError(f"the model failed while serving this request: {e.__cause__!r}"))
+                self._deliver(e.outputs)
+                if failures >= self.max_consecutive_step_failures:
+                    self._fail(e.__cause__ or e)
+                    return
+                continue
+            except BaseException as e:  # bookkeeping broke: every waiting client must hear, not hang
+                log.exception("engine loop failed")
+                self._fail(e)
                 return
-            for o in outputs:
-                target = self._queues.get(o.request_id)
-                if target is not None:
-                    loop, queue = target
-                    loop.call_soon_threadsafe(queue.put_nowait, o)
+            self._deliver(outputs)
+
+    def _emit(self, rid: str, item) -> None:
+        target = self._queues.get(rid)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            self._emit(o.request_id, o)
+
+    def _fail(self, e: BaseException) -> None:
+        self.error = e
+        for rid in list(self._queues):
+            self._emit(rid, EngineError(f"the engine stopped after an error: {e!r}"))
+
+    def _release(self, rid: str, abort: bool) -> None:
+        self._queues.pop(rid, None)
+        if abort:
+            self.engine.abort(rid)
+            self._wake.set()
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  boundaries: tuple[int, ...] = (), eos_token_id: int | None = None,
-                 skip_special_tokens: bool = True) -> AsyncIterator[StreamDelta]:
-        """Add a request NOW (raising ValueError / QueueFullError before anything is streamed, so
-        the caller can still answer with a status code) and return its stream of deltas. Closing
-        the stream before the end (aclose, cancellation) aborts the request."""
+                 skip_special_tokens: bool = True) -> "RequestStream":
+        """Add a request NOW (raising ValueError / QueueFullError / EngineError before anything is
+        streamed, so the caller can still answer with a status code) and return its stream of
+        deltas. Closing the stream before the end (aclose / close, even before the first
+        iteration; cancellation; garbage collection) aborts the request and frees its pages."""
         if self.error is not None:
-            raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
+            raise EngineError(f"the engine stopped after an error: {self.error!r}")
         rid = request_id or f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), queue)  # before the engine can emit anything
@@ -214,29 +274,70 @@ class AsyncEngine:
         except BaseException:
             del self._queues[rid]
             raise
+        if self.error is not None:  # the loop died between the check above and our queue entry
+            self._release(rid, abort=True)
+            raise EngineError(f"the engine stopped after an error: {self.error!r}")
         self._wake.set()
-        return self._stream(rid, queue, IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens))
+        return RequestStream(self, rid, queue, IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens))
 
-    async def _stream(self, rid: str, queue: asyncio.Queue, detok: IncrementalDetokenizer) -> AsyncIterator[StreamDelta]:
-        finished = False
+
+class RequestStream:
+    """One request's deltas (an async iterator). `close()` / `aclose()` abort the request unless it
+    has finished, whether or not iteration ever started; a stream dropped unclosed is aborted when
+    it is garbage collected."""
+
+    def __init__(self, engine: AsyncEngine, rid: str, queue: asyncio.Queue, detok: IncrementalDetokenizer):
+        self.request_id = rid
+        self._engine, self._queue, self._detok = engine, queue, detok
+        self.finished = False
+        self._closed = False
+        self._gen = self._iterate()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    def __anext__(self):
+        return self._gen.__anext__()
+
+    def close(self) -> None:
+        """Synchronous and idempotent: drop the queue entry, abort the request if unfinished."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._release(self.request_id, abort=not self.finished)
+
+    async def aclose(self) -> None:
         try:
-            while not finished:
-                o = await queue.get()
-                if isinstance(o, BaseException):
-                    raise RuntimeError("the engine failed while serving this request") from o
+            await self._gen.aclose()
+        finally:
+            self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    async def _iterate(self) -> AsyncIterator[StreamDelta]:
+        rid, engine, detok = self.request_id, self._engine.engine, self._detok
+        try:
+            while not self.finished:
+                o = await self._queue.get()
+                if isinstance(o, BaseException):  # the engine already finished the request
+                    self.finished = True
+                    if isinstance(o, EngineError):
+                        raise o
+                    raise EngineError(repr(o)) from o
                 ids = [t.token_id for t in o.new_tokens]
                 text = detok.push(ids)
                 finished, reason = o.finished, o.finish_reason
                 if detok.stopped:  # a stop string: end here, free the pages now
                     if not finished:
-                        self.engine.abort(rid, RequestStatus.FINISHED_STOPPED)
+                        engine.abort(rid, RequestStatus.FINISHED_STOPPED)
+                        self._engine._wake.set()
                     finished, reason = True, RequestStatus.FINISHED_STOPPED.value
                 elif finished:
                     text += detok.flush()
+                self.finished = finished
                 yield StreamDelta(text, ids, o.new_tokens, finished, reason, o.num_prompt_tokens,
                                   o.num_cached_tokens, o.num_output_tokens)
         finally:
-            self._queues.pop(rid, None)
-            if not finished:
-                self.engine.abort(rid)
-                self._wake.set()
+            self.close()

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from k3.serve.chat_format import ChatFormat, ReplyParser
-from k3.serve.engine import AsyncEngine, StreamDelta
+from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
 
@@ -60,9 +60,12 @@ def _sampling(ctx: ServingContext, body, prompt_len: int, max_new: int | None, l
         raise APIError(400, str(e)) from None
 
 
-def _submit(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, rid: str, **kw) -> AsyncIterator[StreamDelta]:
+def _submit(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, rid: str, **kw) -> RequestStream:
     try:
         return ctx.engine.generate(prompt_ids, params, request_id=rid, **kw)
+    except EngineError as e:
+        ctx.metrics.rejected.labels("503").inc()
+        raise APIError(503, f"the engine is unavailable: {e}", type="server_error", code="engine_unavailable") from None
     except QueueFullError as e:
         ctx.metrics.rejected.labels("429").inc()
         raise APIError(429, f"server busy: {e}; retry later", type="rate_limit_error", code="queue_full",
@@ -87,8 +90,44 @@ async def _timed(ctx: ServingContext, stream: AsyncIterator[StreamDelta], t0: fl
             yield d
 
 
-async def _collect(stream: AsyncIterator[StreamDelta], http: Request) -> list[StreamDelta]:
+def _engine_error(e: EngineError) -> APIError:
+    return APIError(500, str(e), type="server_error", code="engine_error")
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """Closes (aborts, unless finished) the engine request however the response ends, even when
+    the client is gone before the body generator first runs (then its `finally` never would)."""
+
+    def __init__(self, content, handle: RequestStream, **kw):
+        super().__init__(content, **kw)
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.close()
+
+
+def _streaming(sse: AsyncIterator[str], handle: RequestStream) -> StreamingResponse:
+    return _EngineStreamingResponse(sse, handle, media_type="text/event-stream")
+
+
+def _sse_error(e: EngineError) -> str:
+    return _sse(_engine_error(e).body())
+
+
+async def _collect(stream: AsyncIterator[StreamDelta], http: Request, handle: RequestStream) -> list[StreamDelta]:
     """Consume a whole stream, aborting it if the client goes away meanwhile."""
+    try:
+        return await _consume(stream, http)
+    except EngineError as e:
+        raise _engine_error(e) from None
+    finally:
+        handle.close()
+
+
+async def _consume(stream: AsyncIterator[StreamDelta], http: Request) -> list[StreamDelta]:
     async def consume():
         async with aclosing(stream) as deltas:
             return [d async for d in deltas]
@@ -187,10 +226,11 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, "the prompt encodes to no tokens", param="prompt")
     params = _sampling(ctx, body, len(ids), body.max_tokens, body.logprobs, [])
     rid = f"cmpl-{uuid.uuid4().hex}"
-    stream = _timed(ctx, _submit(ctx, ids, params, rid), t0)
+    handle = _submit(ctx, ids, params, rid)
+    stream = _timed(ctx, handle, t0)
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     if not body.stream:
-        deltas = await _collect(stream, request)
+        deltas = await _collect(stream, request, handle)
         last = deltas[-1]
         choice = {"index": 0, "text": "".join(d.text for d in deltas), "finish_reason": last.finish_reason,
                   "logprobs": _completion_logprobs(ctx.tokenizer, deltas, 0) if body.logprobs is not None else None}
@@ -199,20 +239,23 @@ async def completions(body: CompletionRequest, request: Request):
 
     async def sse():
         offset = 0
-        async with aclosing(stream) as deltas:
-            async for d in deltas:
-                lp = _completion_logprobs(ctx.tokenizer, [d], offset) if body.logprobs is not None else None
-                offset += len(d.text)
-                chunk = {**base, "choices": [{"index": 0, "text": d.text, "logprobs": lp,
-                                              "finish_reason": d.finish_reason if d.finished else None}]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
-                if d.finished and include_usage:
-                    yield _sse({**base, "choices": [], "usage": _usage(d)})
+        try:
+            async with aclosing(stream) as deltas:
+                async for d in deltas:
+                    lp = _completion_logprobs(ctx.tokenizer, [d], offset) if body.logprobs is not None else None
+                    offset += len(d.text)
+                    chunk = {**base, "choices": [{"index": 0, "text": d.text, "logprobs": lp,
+                                                  "finish_reason": d.finish_reason if d.finished else None}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                    if d.finished and include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(d)})
+        except EngineError as e:  # the status line is sent: the error goes in the stream
+            yield _sse_error(e)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(sse(), media_type="text/event-stream")
+    return _streaming(sse(), handle)
 
 
 @router.post("/v1/chat/completions")
@@ -232,15 +275,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(ctx, body, len(rendered.token_ids), body.max_new_tokens, top, [ctx.chat.eos])
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = _timed(ctx, _submit(ctx, rendered.token_ids, params, rid, boundaries=rendered.boundaries,
-                                 eos_token_id=ctx.chat.close), t0)
+    handle = _submit(ctx, rendered.token_ids, params, rid, boundaries=rendered.boundaries, eos_token_id=ctx.chat.close)
+    stream = _timed(ctx, handle, t0)
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
 
     def finish_reason(d: StreamDelta, parser: ReplyParser) -> str:
         return "tool_calls" if parser.reply.tool_calls and d.finish_reason == "stop" else d.finish_reason
 
     if not body.stream:
-        deltas = await _collect(stream, request)
+        deltas = await _collect(stream, request, handle)
         parser = ReplyParser(tools=use_tools)
         parser.feed("".join(d.text for d in deltas))
         parser.finish()
@@ -266,24 +309,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     async def sse():
         parser = ReplyParser(tools=use_tools)
         n_calls = 0
-        async with aclosing(stream) as deltas:
-            yield chunk({"role": "assistant", "content": ""})
-            async for d in deltas:
-                events = parser.feed(d.text) + (parser.finish() if d.finished else [])
-                lp = _chat_logprobs(ctx.tokenizer, [d]) if body.logprobs else None
-                for kind, value in events:
-                    if kind == "tool_call":
-                        yield chunk({"tool_calls": [{"index": n_calls, **value}]})
-                        n_calls += 1
-                    else:
-                        yield chunk({kind: value}, logprobs=lp)
-                        lp = None
-                if lp is not None and lp["content"]:
-                    yield chunk({}, logprobs=lp)
-                if d.finished:
-                    yield chunk({}, finish_reason(d, parser))
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(d)})
+        try:
+            async with aclosing(stream) as deltas:
+                yield chunk({"role": "assistant", "content": ""})
+                async for d in deltas:
+                    events = parser.feed(d.text) + (parser.finish() if d.finished else [])
+                    lp = _chat_logprobs(ctx.tokenizer, [d]) if body.logprobs else None
+                    for kind, value in events:
+                        if kind == "tool_call":
+                            yield chunk({"tool_calls": [{"index": n_calls, **value}]})
+                            n_calls += 1
+                        else:
+                            yield chunk({kind: value}, logprobs=lp)
+                            lp = None
+                    if lp is not None and lp["content"]:
+                        yield chunk({}, logprobs=lp)
+                    if d.finished:
+                        yield chunk({}, finish_reason(d, parser))
+                        if include_usage:
+                            yield _sse({**base, "choices": [], "usage": _usage(d)})
+        except EngineError as e:  # the status line is sent: the error goes in the stream
+            yield _sse_error(e)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(sse(), media_type="text/event-stream")
+    return _streaming(sse(), handle)

@@ -76,6 +76,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
     async def http_error(request: Request, e: StarletteHTTPException):
         return _error(APIError(e.status_code, str(e.detail), type="invalid_request_error"))
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):  # a bug: still OpenAI's shape
+        log.error("unhandled error on %s", request.url.path, exc_info=e)
+        return _error(APIError(500, f"internal server error: {type(e).__name__}", type="server_error"))
+
     app.include_router(router, dependencies=[Depends(check_api_key)])
     return app
 
