@@ -115,13 +115,17 @@ class GatedMLA(nn.Module):
         if cu_seqlens is None and state is None:
             o = self.attend(q, lat, offset=0)
         else:
+            segments = _segments(x.shape[0], x.shape[1], cu_seqlens)
+            if state is not None and len(state.latents) != len(segments):
+                raise ValueError(f"MLA layer {self.layer_idx}: the cache holds {len(state.latents)} sequences, "
+                                 f"the batch has {len(segments)}")
             o = x.new_empty(*x.shape[:2], self.num_heads * self.v_dim)
-            for n, (b, start, end) in enumerate(_segments(x.shape[0], x.shape[1], cu_seqlens)):
+            for n, (b, start, end) in enumerate(segments):
                 new = lat[b:b + 1, start:end]
                 past = state.latents[n] if state is not None else new[0, :0]
                 full = torch.cat([past.to(new.dtype), new[0]], dim=0)[None]
                 if state is not None:
-                    state.latents[n] = full[0].detach()
+                    state.latents[n] = full[0]  # autograd kept, as KDA keeps its state's
                 o[b:b + 1, start:end] = self.attend(q[b:b + 1, start:end], full, offset=past.shape[0])
         if self.config.mla_use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
