@@ -1,7 +1,9 @@
 """Normalizations (SPEC §3-5). B batch, T tokens, D width.
 
-RMSNorm computes in fp32 and casts back: the official code does the same, and the MLA latent
-norms' eps (1e-6) differs from everything else (1e-5, `rms_norm_eps`), so eps is always explicit.
+RMSNorm normalizes in fp32, casts back to the input dtype, then applies the weight in that dtype,
+in this order as the official Kimi-Linear/DeepSeek RMSNorm does (`weight * x.to(input_dtype)`), so
+bf16 outputs match it to the bit. The MLA latent norms' eps (1e-6) differs from everything else
+(1e-5, `rms_norm_eps`), so eps is always explicit.
 """
 from __future__ import annotations
 
@@ -17,9 +19,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(dtype)
+        return self.weight.to(dtype) * rms_normalize(x.float(), self.eps).to(dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
