@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3.atomic import write_text_atomic
+
 # Keys of `linear_attn_config` we model, mapped to our flat field names.
 _LINEAR_ATTN_KEYS = {
     "kda_layers": "kda_layers",
@@ -263,11 +265,7 @@ class K3Config:
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / "config.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        tmp.replace(path)
-        return path
+        return write_text_atomic(directory / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
 
     def replace(self, **changes) -> "K3Config":
         """A copy with some fields changed (validated again)."""

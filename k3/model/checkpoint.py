@@ -8,7 +8,6 @@ spellings transformers writes. Safetensors only: nothing is ever unpickled.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from k3.atomic import write_atomic, write_text_atomic
 from k3.config import K3Config
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -85,12 +85,6 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     tensors: dict[str, torch.Tensor] | None = None, config_dict: dict | None = None) -> Path:
     """Write config.json, shards and the index. Each file goes through temp + rename and the index is
@@ -111,14 +105,14 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_atomic(directory / fname, lambda p, s=shard: save_file(s, str(p), metadata={"format": "pt"}))
+        write_atomic(directory / fname, lambda p, s=shard: save_file(s, str(p), metadata={"format": "pt"}))
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()
     config_dict = model.config.to_dict() if config_dict is None else config_dict
-    _write_atomic(directory / "config.json", lambda p: p.write_text(json.dumps(config_dict, indent=2) + "\n"))
+    write_text_atomic(directory / "config.json", json.dumps(config_dict, indent=2) + "\n")
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_atomic(directory / INDEX_NAME, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
+    write_text_atomic(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     return directory
 
 

@@ -35,6 +35,11 @@ def seq_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     return cu_seqlens.diff().tolist()
 
 
+def longest_sequence(tokens: int, cu_seqlens: torch.Tensor | None) -> int:
+    """Length of the longest sequence of a [B, tokens] batch, uniform or packed (1 = pure decode)."""
+    return tokens if cu_seqlens is None else int(cu_seqlens.diff().max())
+
+
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     """[1, T, ...] packed -> [N, T_pad, ...] zero-padded, T_pad = max length rounded up to `multiple`."""
     lengths = seq_lengths(cu_seqlens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from k3.atomic import write_atomic, write_text_atomic
 from k3.train.errors import TrainError
 
 METRICS_FILE = "metrics.jsonl"
@@ -50,10 +51,11 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (written by a run that was then interrupted) and a
         partial last line."""
-        kept = [r for r in self.read() if r["step"] <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
+        self.rewrite([r for r in self.read() if r["step"] <= step])
+
+    def rewrite(self, records: list[dict]) -> None:
+        """Replace the whole log with `records` (atomically)."""
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def plot_losses(records: list[dict], path: Path) -> None:
@@ -73,10 +75,8 @@ def plot_losses(records: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name("tmp-" + path.name)
-    fig.savefig(tmp, dpi=100)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)
-    tmp.replace(path)
 
 
 def write_report(path: Path, *, settings: dict, params: dict, records: list[dict], wall_time_s: float,
@@ -105,6 +105,4 @@ def write_report(path: Path, *, settings: dict, params: dict, records: list[dict
         lines += [f"## Samples (step {last_step})", ""]
         for s in (s for s in samples if s["step"] == last_step):
             lines += ["```text", s["prompt"] + s["text"], "```", ""]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines))
-    tmp.replace(path)
+    write_text_atomic(path, "\n".join(lines))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from k3.atomic import write_atomic
 from k3.data.corpus import DataError
 
 IGNORE_INDEX = -100
@@ -77,9 +77,7 @@ def cached_token_stream(cache_dir: Path, tok: Tokenizer, texts: list[str], bos_i
     stream = tokenize_documents(tok, texts, bos_id, eos_id)
     folder.mkdir(parents=True, exist_ok=True)
     for path, array in ((tok_path, stream.tokens), (start_path, stream.doc_starts)):
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")  # per process: ranks may race here
-        np.save(tmp, array)
-        tmp.replace(path)
+        write_atomic(path, lambda tmp, a=array: np.save(tmp, a))  # per-process temp: ranks may race here
     return stream
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from k3.atomic import write_atomic, write_text_atomic
+
 SPECIAL_TOKENS = {
     "bos": "<|bos|>",
     "eos": "<|eos|>",
@@ -68,17 +70,11 @@ def save_tokenizer(tok: Tokenizer, directory: str | Path) -> Path:
     """tokenizer.json plus a tokenizer_config.json naming the specials (so transformers'
     AutoTokenizer loads the folder too); both via temp + rename."""
     directory = Path(directory)
-    path = directory / TOKENIZER_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tok.save(str(tmp))
-    tmp.replace(path)
+    path = write_atomic(directory / TOKENIZER_FILE, lambda tmp: tok.save(str(tmp)))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS["bos"],
            "eos_token": SPECIAL_TOKENS["eos"], "pad_token": SPECIAL_TOKENS["pad"],
            "additional_special_tokens": [SPECIAL_TOKENS[k] for k in ("open", "sep", "close")]}
-    cpath = directory / "tokenizer_config.json"
-    ctmp = cpath.with_name(cpath.name + ".tmp")
-    ctmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    ctmp.replace(cpath)
+    write_text_atomic(directory / "tokenizer_config.json", json.dumps(cfg, indent=2) + "\n")
     return path
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from k3.atomic import write_atomic
 from k3.config import ConfigError, load_config
 from k3.data.corpus import DataError, load_documents, split_documents
 from k3.model.balance import balance_step, expert_loads
@@ -158,9 +159,7 @@ class Trainer:
                 self.log(f"training a {config.vocab_size}-token byte-level BPE on {len(train_docs)} documents ...")
                 self.tokenizer = train_tokenizer([d.text for d in train_docs], config.vocab_size)
                 tok_cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = tok_cache.with_name(f"{tok_cache.stem}.{os.getpid()}.tmp.json")  # ranks may race here
-                self.tokenizer.save(str(tmp))
-                tmp.replace(tok_cache)
+                write_atomic(tok_cache, lambda tmp: self.tokenizer.save(str(tmp)))  # ranks may race here
         if self.tokenizer.get_vocab_size() > config.vocab_size:
             raise TrainError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens, the model's vocab_size is {config.vocab_size}")
         ids = special_ids(self.tokenizer)
@@ -370,9 +369,7 @@ class Trainer:
         if self.world.is_main:
             records = [r for r in self.metrics.read() if not (r["step"] == self.step and r["kind"] != "train")]
             records += [final, *samples]
-            tmp = self.metrics.path.with_name(self.metrics.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-            tmp.replace(self.metrics.path)
+            self.metrics.rewrite(records)
             plot_losses(records, self.run_dir / PLOT_FILE)
             write_report(self.run_dir / REPORT_FILE, settings=dataclasses.asdict(s), params=self.params,
                          records=records, wall_time_s=self.elapsed, checkpoint=last_ckpt)

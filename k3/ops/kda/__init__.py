@@ -19,6 +19,7 @@ import torch
 from k3.ops.kda import fla_backend
 from k3.ops.kda.chunk import kda_chunk
 from k3.ops.kda.reference import kda_recurrent
+from k3.ops.varlen import longest_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ def kda(
 def _auto_impl(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:
     if q.is_cuda and fla_backend.is_available():
         return "fla"
-    longest = q.shape[1] if cu_seqlens is None else int(cu_seqlens.diff().max())
-    return "recurrent" if longest == 1 else "chunk"
+    return "recurrent" if longest_sequence(q.shape[1], cu_seqlens) == 1 else "chunk"
 
 
 @functools.cache

@@ -22,6 +22,7 @@ import functools
 import torch
 
 from k3.ops.kda.inputs import check_kda_inputs
+from k3.ops.varlen import longest_sequence
 
 FLA_CHUNK_SIZES = (32, 64)
 
@@ -63,12 +64,11 @@ def kda_fla(
     q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.float()
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    longest = q.shape[1] if cu_seqlens is None else int(cu_seqlens.diff().max())
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, g, beta, initial_state) if t is not None)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)
-    if longest == 1 and not needs_grad:
+    if longest_sequence(q.shape[1], cu_seqlens) == 1 and not needs_grad:
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
         # Everything arrives activated (gate, L2 norm, beta) and the state key-first [N, H, K, V];
