@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer
 
 from k3.model.checkpoint import load_pretrained
-from k3.train.checkpoint import latest_checkpoint
+from k3.train.checkpoint import resolve_checkpoint
 from k3.train.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_checkpoint(run: str | None, model: str | None) -> Path:
+def checkpoint_folder(run: str | None, model: str | None) -> Path:
     if (run is None) == (model is None):
         raise ValueError("give exactly one of --run DIR (a `k3 train` run) or --model DIR (an HF-layout checkpoint)")
     if model is not None:
@@ -25,16 +25,13 @@ def resolve_checkpoint(run: str | None, model: str | None) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not an HF-layout checkpoint folder")
         return path
-    folder = latest_checkpoint(Path(run) / "checkpoints")
-    if folder is None:
-        raise FileNotFoundError(f"no complete checkpoint under {Path(run) / 'checkpoints'} (is {run} a `k3 train` run?)")
-    return folder
+    return resolve_checkpoint(run)
 
 
 def load_for_serving(run: str | None = None, model: str | None = None, tokenizer: str | None = None,
                      device: str = "cpu", dtype: str = "float32") -> tuple[torch.nn.Module, Tokenizer, str]:
     """-> (model in eval mode, tokenizer, a served model name)."""
-    folder = resolve_checkpoint(run, model)
+    folder = checkpoint_folder(run, model)
     tok_path = Path(tokenizer) if tokenizer else folder / TOKENIZER_FILE
     if not tok_path.exists():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {folder}; pass --tokenizer PATH")

@@ -61,6 +61,17 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder itself, or the latest complete checkpoint of a `k3 train` run folder."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    found = latest_checkpoint(path / "checkpoints")
+    if found is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a `k3 train` run with a complete checkpoint")
+    return found
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, trainer_state: dict,
                     write_extras, *, keep: int) -> Path:
     """Collective under torch.distributed (every rank calls it); rank 0 writes.

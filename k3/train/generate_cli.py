@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 from tokenizers.decoders import DecodeStream
 
 from k3.model.checkpoint import load_pretrained
 from k3.model.generate import generate
-from k3.train.checkpoint import latest_checkpoint
+from k3.train.checkpoint import resolve_checkpoint
 from k3.train.tokenizer import load_tokenizer
 
 
@@ -30,21 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    if (path / "config.json").is_file():
-        return path
-    found = latest_checkpoint(path / "checkpoints")
-    if found is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a run with checkpoints")
-    return found
-
-
 def run(args) -> int:
     if args.max_tokens < 1 or not 0 < args.top_p <= 1 or args.temperature < 0:
         print("k3 generate: error: need --max-tokens >= 1, 0 < --top-p <= 1, --temperature >= 0", file=sys.stderr)
         return 2
     try:
-        folder = resolve_checkpoint(Path(args.run))
+        folder = resolve_checkpoint(args.run)
         tokenizer = load_tokenizer(folder)
         model = load_pretrained(folder, device=torch.device(args.device)).eval()
     except (FileNotFoundError, KeyError, ValueError) as e:
