@@ -11,7 +11,7 @@ from tests.conftest import assert_rel_close
 transformers = pytest.importorskip("transformers", minversion="5.24")
 
 
-def small_kimi_linear(mla_use_output_gate: bool = False):
+def small_kimi_linear():
     cfg = transformers.KimiLinearConfig(
         vocab_size=256, hidden_size=64, num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2,
         intermediate_size=128, moe_intermediate_size=32, num_experts=6, num_experts_per_token=2,

@@ -213,6 +213,3 @@ class PrefixCache:
                         del self._partials[entry.parent]
             log.debug("prefix cache evicted page %d: endpoint %d %s", page, entry.length,
                       "checkpoint" if page in snapshot_pages else "entry")
-
-    def cached_pages(self) -> set[int]:
-        return set(self._users)

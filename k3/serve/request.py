@@ -7,7 +7,6 @@ recompute after preemption are all that rule with different counts.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from k3.serve.sampling import SamplingParams
@@ -37,7 +36,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    arrival_time: float = field(default_factory=time.monotonic)
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of the full hash blocks
     checkpoints: list[int] = field(default_factory=list)  # pending KDA checkpoint positions
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission

@@ -46,10 +46,6 @@ class PackedBatch:
     def to(self, device) -> "PackedBatch":
         return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.cu_seqlens.to(device))
 
-    @property
-    def num_targets(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
-
 
 def tokenize_documents(tok: Tokenizer, texts: list[str], bos_id: int, eos_id: int) -> TokenStream:
     dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.int32
