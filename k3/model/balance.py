@@ -132,7 +132,7 @@ def balance_step(model: nn.Module, rule: str | None = "quantile", *, gamma: floa
     loads), None (no update). Frees the records either way."""
     if rule is None:
         for moe in moe_layers(model).values():  # nothing to apply, but the step's records end here
-            moe.gate.last_scores = moe.gate.expert_load = None
+            moe.gate.clear_records()
         return
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES} or None, got {rule!r}")
@@ -155,7 +155,7 @@ def balance_step(model: nn.Module, rule: str | None = "quantile", *, gamma: floa
                 counts = reduce_fn(counts)
             new = histogram_balance(counts, bin_edges, gate.top_k)
         bias.copy_(new)
-        gate.last_scores = gate.expert_load = None
+        gate.clear_records()
 
 
 def expert_loads(model: nn.Module) -> dict[str, torch.Tensor]:

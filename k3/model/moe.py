@@ -48,9 +48,21 @@ class MoEGate(KeepsFP32):
         self.init_std = config.initializer_range
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
-        self.last_scores: torch.Tensor | None = None
+        self._score_parts: list[torch.Tensor] = []  # one per training forward since clear_records
         self.expert_load: torch.Tensor | None = None
         self.reset_parameters()
+
+    @property
+    def last_scores(self) -> torch.Tensor | None:
+        """Router scores [N, E] of every training forward since the last `clear_records`."""
+        if not self._score_parts:
+            return None
+        if len(self._score_parts) > 1:  # concatenated once, when read, not at every micro-batch
+            self._score_parts = [torch.cat(self._score_parts)]
+        return self._score_parts[0]
+
+    def clear_records(self) -> None:
+        self._score_parts, self.expert_load = [], None
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
@@ -67,9 +79,8 @@ class MoEGate(KeepsFP32):
         weights = weights * self.routed_scaling_factor
         if self.training:
             load = torch.bincount(idx.flatten(), minlength=self.num_experts)
-            first = self.last_scores is None
-            self.last_scores = scores.detach() if first else torch.cat([self.last_scores, scores.detach()])
-            self.expert_load = load if first else self.expert_load + load
+            self._score_parts.append(scores.detach())
+            self.expert_load = load if self.expert_load is None else self.expert_load + load
         return weights, idx
 
 
