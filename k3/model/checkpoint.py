@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from k3.atomic import write_atomic, write_text_atomic
 from k3.config import K3Config
+from k3.model.precision import fp32_tensor_names
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
@@ -154,6 +155,7 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     expected = set(model.state_dict().keys())
+    fp32 = fp32_tensor_names(model)
     missing, unexpected = expected - set(tensors), set(tensors) - expected
     if missing or unexpected:
         raise KeyError(f"checkpoint {directory} does not match the config: missing {sorted(missing)[:8]}"
@@ -164,14 +166,9 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
         t = tensors[name]
         if tuple(t.shape) != tuple(ref.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(ref.shape)}")
-        target = torch.float32 if keeps_fp32(name) else (t.dtype if dtype is None else dtype)
+        target = torch.float32 if name in fp32 else (t.dtype if dtype is None else dtype)
         state[name] = t.to(device=device, dtype=target)
     model.load_state_dict(state, assign=True, strict=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
-
-
-def keeps_fp32(name: str) -> bool:
-    """Tensors SPEC keeps in fp32 (k3/model/precision.py), whatever dtype a checkpoint stored."""
-    return name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "block_sparse_moe.gate.weight"))

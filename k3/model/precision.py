@@ -22,3 +22,11 @@ class KeepsFP32(nn.Module):
             if t.is_floating_point() and t.dtype.itemsize < 4:
                 t.data = t.data.float()
         return self
+
+
+def fp32_tensor_names(model: nn.Module) -> set[str]:
+    """State-dict names of every tensor some KeepsFP32 module pins to fp32: what loaders and
+    exporters keep in fp32 whatever dtype they write the rest in (one list: the modules' own)."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules() if isinstance(module, KeepsFP32)
+            for name in module.FP32_TENSORS}

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from k3.config import K3Config
-from k3.model.checkpoint import (DEFAULT_SHARD_BYTES, keeps_fp32, read_safetensors, save_pretrained,
+from k3.model.checkpoint import (DEFAULT_SHARD_BYTES, read_safetensors, save_pretrained,
                                  state_dict_to_official)
+from k3.model.precision import fp32_tensor_names
 from k3.quant.mx import dequantize, quantize
 from k3.quant.targets import WEIGHT_FORMAT, WEIGHT_RULE, is_routed_expert_linear
 
@@ -63,17 +64,18 @@ class PackedCheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------- tensors
-def pack_tensors(tensors: dict[str, torch.Tensor], *, dtype: torch.dtype | None = torch.bfloat16
-                 ) -> dict[str, torch.Tensor]:
+def pack_tensors(tensors: dict[str, torch.Tensor], *, dtype: torch.dtype | None = torch.bfloat16,
+                 keep_fp32: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Official-named dense tensors -> the packed layout: routed-expert weights become
-    weight_packed / weight_scale, every other floating tensor is cast to `dtype` (None: kept)."""
+    weight_packed / weight_scale, every other floating tensor is cast to `dtype` (None: kept),
+    except the `keep_fp32` names."""
     out = {}
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and is_routed_expert_linear(module):
             packed, scale = quantize(t.detach(), WEIGHT_FORMAT, WEIGHT_RULE)
             out[module + PACKED_SUFFIX], out[module + SCALE_SUFFIX] = packed, scale
-        elif dtype is not None and t.is_floating_point() and not keeps_fp32(name):
+        elif dtype is not None and t.is_floating_point() and name not in keep_fp32:
             out[name] = t.detach().to(dtype)
         else:
             out[name] = t.detach()
@@ -139,7 +141,8 @@ def save_packed(model, directory: str | Path, *, dtype: torch.dtype | None = tor
                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Export `model` (plain or QAT) in the official MXFP4 layout. `dtype` is the dtype of the
     unquantized tensors: bf16 as published; None keeps the model's own (an exact export)."""
-    tensors = pack_tensors(state_dict_to_official(model), dtype=dtype)
+    keep_fp32 = {model.config.checkpoint_prefix + name for name in fp32_tensor_names(model)}
+    tensors = pack_tensors(state_dict_to_official(model), dtype=dtype, keep_fp32=keep_fp32)
     return save_pretrained(model, directory, max_shard_bytes=max_shard_bytes, tensors=tensors,
                            config_dict=with_quantization_config(model.config))
 
