@@ -1,7 +1,8 @@
 """One consolidated GPU run (issue #5): ceilings, then correctness checks, then benchmarks,
 within a hard time budget, writing results as they come.
 
-    python3 bench/gpu_run.py --out DIR [--smoke] [--budget-s 380]
+    python3 bench/gpu_run.py --out DIR [--smoke] [--budget-s 380] [--sections checks,bench:train]
+                             [--triton-cache FOLDER]
     python3 bench/gpu_run.py --report DIR [--record docs/BENCHMARKS.md]   # re-render, append
 
 Every section runs in its own process with its own timeout: a device-side assert, an OOM, a hung
@@ -38,14 +39,17 @@ class Section:
     min_s: float  # fewest seconds worth starting it with
 
 
+# Caps from the 2026-12-02 H200 run: fla's first chunk_kda call JIT-compiles and autotunes for
+# minutes (120 s was too little for checks:kda, 75 s for bench:train); a warm Triton cache
+# (--triton-cache) cuts that to seconds.
 SECTIONS = [
     Section("ceilings", 45, 10),
-    Section("checks:kda", 120, 30),  # compiles and autotunes fla's chunk kernels (bf16, packed, fp32)
-    Section("checks:layers", 60, 20),
-    Section("checks:moe", 30, 10),
-    Section("bench:train", 75, 30),
-    Section("bench:decode", 70, 25),  # before bench:kda, whose fla-layer compile is the slowest part
-    Section("bench:kda", 75, 20),
+    Section("checks:kda", 300, 30),  # compiles and autotunes fla's chunk kernels (bf16, packed, fp32)
+    Section("checks:layers", 180, 20),
+    Section("checks:moe", 40, 10),
+    Section("bench:train", 200, 30),
+    Section("bench:decode", 150, 25),  # before bench:kda, whose fla-layer compile is the slowest part
+    Section("bench:kda", 240, 20),
     Section("bench:moe", 25, 10),
 ]
 SMOKE_CAP_S = 600  # CPU smoke sizes are tiny but the machine is shared and slow
@@ -127,18 +131,25 @@ def _known(records: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- parent side
-def run_all(out: Path, smoke: bool, budget_s: float) -> int:
+def run_all(out: Path, smoke: bool, budget_s: float, only: list[str] | None = None,
+            triton_cache: Path | None = None) -> int:
     start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     records = out / "records.jsonl"
     records.unlink(missing_ok=True)
     # One Triton cache for every section: kernels compiled and autotuned by the checks (fla caches
-    # its autotuning results there too) are reused by the benches in their own processes.
-    os.environ.setdefault("TRITON_CACHE_DIR", str(Path("/tmp") / "k3-triton-cache"))
-    for i, section in enumerate(SECTIONS):
+    # its autotuning results there too, FLA_CACHE_RESULTS) are reused by the benches in their own
+    # processes, and by the next device call when it is carried back (--triton-cache).
+    cache_dir = Path(os.environ.setdefault("TRITON_CACHE_DIR", str(Path("/tmp") / "k3-triton-cache")))
+    if triton_cache is not None:
+        print(f"triton cache: {restore_triton_cache(triton_cache, cache_dir)}", flush=True)
+    sections = [s for s in SECTIONS if not only or any(s.name == o or s.name.startswith(o + ":") for o in only)]
+    if only and not sections:
+        raise SystemExit(f"--sections {','.join(only)} names no section of {[s.name for s in SECTIONS]}")
+    for i, section in enumerate(sections):
         left = budget_s - (time.monotonic() - start)
-        reserve = sum(s.min_s for s in SECTIONS[i + 1:])
+        reserve = sum(s.min_s for s in sections[i + 1:])
         timeout = SMOKE_CAP_S if smoke else min(section.cap_s, left - reserve)
         if timeout < section.min_s:
             _append(records, {"section": section.name, "kind": "section", "status": "skipped",
@@ -167,9 +178,47 @@ def run_all(out: Path, smoke: bool, budget_s: float) -> int:
     summary = render(_read(records))
     (out / "summary.md").write_text(summary)
     _write_results(out, budget_s, time.monotonic() - start)
+    if not smoke:
+        print(f"triton cache: {save_triton_cache(cache_dir, out)}", flush=True)
     print(short_table(_read(records)), flush=True)
     print(f"total {time.monotonic() - start:.0f}s of the {budget_s:.0f}s budget; full results in {out}", flush=True)
     return 0
+
+
+TRITON_PART_BYTES = 15 * 2 ** 20  # the device tool brings back files of at most 16 MiB
+TRITON_PART_PREFIX = "triton-cache.tar.xz."
+
+
+def save_triton_cache(cache_dir: Path, out: Path) -> str:
+    """Pack the Triton cache into out/triton-cache.tar.xz.NN parts (each under the size the device
+    tool returns), so the next call starts with compiled kernels and autotuning results."""
+    import io
+    import tarfile
+
+    if not cache_dir.is_dir():
+        return "none to save"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz", preset=1) as tar:
+        tar.add(cache_dir, arcname=".")
+    data = buf.getvalue()
+    parts = [data[i:i + TRITON_PART_BYTES] for i in range(0, len(data), TRITON_PART_BYTES)]
+    for n, part in enumerate(parts):
+        (out / f"{TRITON_PART_PREFIX}{n:02d}").write_bytes(part)
+    return f"saved {len(data) / 2 ** 20:.1f} MiB in {len(parts)} part(s)"
+
+
+def restore_triton_cache(folder: Path, cache_dir: Path) -> str:
+    import io
+    import tarfile
+
+    parts = sorted(folder.glob(TRITON_PART_PREFIX + "*"))
+    if not parts:
+        return f"no {TRITON_PART_PREFIX}* parts in {folder}: starting cold"
+    data = b"".join(p.read_bytes() for p in parts)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
+        tar.extractall(cache_dir, filter="data")
+    return f"restored {len(data) / 2 ** 20:.1f} MiB from {len(parts)} part(s)"
 
 
 def _append(path: Path, entry: dict) -> None:
@@ -295,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="results directory ($OUT on the device machine)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: verify every code path locally")
     parser.add_argument("--budget-s", type=float, default=380.0, help="hard wall-clock budget of the whole run")
+    parser.add_argument("--sections", help="comma list of sections or groups to run (e.g. checks,bench:train); "
+                        "default all")
+    parser.add_argument("--triton-cache", type=Path,
+                        help="folder holding the triton-cache.tar.xz.NN parts an earlier run left in its --out")
     parser.add_argument("--report", type=Path, help="re-render DIR/summary.md from DIR/records.jsonl")
     parser.add_argument("--record", type=Path, help="with --report: append the summary to this markdown file")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section (child process)
@@ -313,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out DIR is required")
-    return run_all(args.out, args.smoke, args.budget_s)
+    only = [name.strip() for name in args.sections.split(",") if name.strip()] if args.sections else None
+    return run_all(args.out, args.smoke, args.budget_s, only, args.triton_cache)
 
 
 if __name__ == "__main__":
