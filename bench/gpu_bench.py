@@ -1,6 +1,6 @@
 """GPU benchmarks of issue #5: what k3 does with one H200, against the ceilings measured in the same run.
 
-    python bench/gpu_bench.py [--smoke] [--only train,kda,decode,moe]
+    python bench/gpu_bench.py [--smoke] [--only train,kda,decode,moe,serve]
 
 - train:  one training step of k3-1b at 4096 tokens per sequence (bf16 autocast, fp32 weights,
           fused AdamW), tokens/s and MFU against the measured bf16 matmul rate and the 989 TFLOP/s
@@ -24,6 +24,8 @@
           variant of the same model.
 - moe:    the routed-expert bank, grouped_mm vs the per-expert loop, fwd+bwd at training size and
           forward at decode size.
+- serve:  the k3 serving engine vs HF transformers `generate` on the same Kimi-Linear weights
+          (bench/serve.py at GPU size).
 Each size runs only while the section's deadline allows; what is skipped is recorded as skipped.
 """
 from __future__ import annotations
@@ -45,13 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.ceilings import H200_BF16_DENSE_TFLOPS, measure, median_ms  # noqa: E402
 from bench.gpu_checks import per_expert_loop  # noqa: E402
 from k3.config import K3Config, load_config  # noqa: E402
-from k3.model.cache import K3Cache, KDAState  # noqa: E402
+from k3.model.cache import K3Cache, KDAState, MLAState  # noqa: E402
+from k3.model.decode_graph import CUDAGraphDecoder  # noqa: E402
 from k3.model.experts import RoutedExperts, _grouped_mm_available  # noqa: E402
 from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
 from k3.model.params import count_parameters  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
 from k3.ops.kda import fla_backend, kda  # noqa: E402
+from k3.train.compile import compile_regions  # noqa: E402
 
 Record = Callable[[dict], None]
 GB = 1e9
@@ -165,22 +169,36 @@ def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadl
             if B == 1:
                 raise
             B //= 2
-    peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
-    # do_bench runs at least 8 steps (1 + 5 to estimate + warm-up + repeats): fit them in the deadline.
-    left = deadline - time.monotonic() - 5
-    if left < 8 * step_s:
-        _skip(record, "train", f"k3-1b T{T} B{B}", f"time budget: {left:.0f}s left, a step takes {step_s:.1f}s")
-        return
-    rep_ms = min(3000.0, (left - 7 * step_s) * 1e3) if not smoke else 200.0
-    ms = median_ms(lambda: step(ids), device, warmup_ms=1, rep_ms=rep_ms)
     flops = train_flops_per_token(cfg, T)
-    tokens_per_s = B * T / (ms / 1e3)
-    achieved = tokens_per_s * flops["total"] / 1e12
-    _say(record, {"kind": "bench", "bench": "train", "name": f"{'k3-tiny' if smoke else 'k3-1b'} T{T} B{B}",
-                  "status": "ok", "ms_per_step": ms, "tokens_per_s": tokens_per_s, "tflops": achieved,
-                  "mfu_measured_ceiling": achieved / known["matmul_bf16_tflops"],
-                  "mfu_datasheet": achieved / H200_BF16_DENSE_TFLOPS, "peak_mem_gb": peak,
-                  "flops_per_token": flops, "note": note})
+
+    def measure(label: str, step_s: float, detail: str = "") -> None:
+        peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
+        name = f"{'k3-tiny' if smoke else 'k3-1b'} T{T} B{B} {label}"
+        # do_bench runs at least 8 steps (1 + 5 to estimate + warm-up + repeats): fit them in the deadline.
+        left = deadline - time.monotonic() - 5
+        if left < 8 * step_s:
+            _skip(record, "train", name, f"time budget: {left:.0f}s left, a step takes {step_s:.1f}s")
+            return
+        rep_ms = min(3000.0, (left - 7 * step_s) * 1e3) if not smoke else 200.0
+        ms = median_ms(lambda: step(ids), device, warmup_ms=1, rep_ms=rep_ms)
+        tokens_per_s = B * T / (ms / 1e3)
+        achieved = tokens_per_s * flops["total"] / 1e12
+        _say(record, {"kind": "bench", "bench": "train", "name": name,
+                      "status": "ok", "ms_per_step": ms, "tokens_per_s": tokens_per_s, "tflops": achieved,
+                      "mfu_measured_ceiling": achieved / known["matmul_bf16_tflops"],
+                      "mfu_datasheet": achieved / H200_BF16_DENSE_TFLOPS, "peak_mem_gb": peak,
+                      "flops_per_token": flops, "note": note + detail})
+
+    measure("eager", step_s)
+    # Regional torch.compile (k3/train/compile.py), as `k3 train --compile` runs; the first steps compile.
+    compile_regions(model, backend="eager" if smoke else "inductor")
+    _free(device)
+    t0 = time.monotonic()
+    for _ in range(2):  # forward and backward graphs, then one step that only replays
+        step(ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    measure("compiled", step_s, f"; regional torch.compile, first 2 steps (compiling) took {time.monotonic() - t0:.0f}s")
 
 
 # ----------------------------------------------------------------------------- (2) KDA vs attention layers
@@ -344,17 +362,17 @@ def all_mla(cfg: K3Config) -> K3Config:
     return cfg.replace(kda_layers=[], full_attn_layers=list(range(1, cfg.num_hidden_layers + 1)))
 
 
-def random_cache(cfg: K3Config, batch: int, context: int, device, dtype) -> K3Cache:
+def random_cache(cfg: K3Config, batch: int, context: int, device, dtype, capacity: int) -> K3Cache:
     """A decode state as if `context` tokens had been consumed: random (never zero) KDA states and
     conv tails, random latents. Building it directly avoids a 128K-token prefill per sequence."""
-    cache = K3Cache.empty(cfg, batch, device=device, dtype=dtype)
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    cache = K3Cache.empty(cfg, batch, device=device, dtype=dtype, capacity=capacity)
     for state in cache.layers:
         if isinstance(state, KDAState):
             state.conv.normal_()
             state.recurrent.normal_(0.0, 0.02)
         else:
-            state.latents = [torch.randn(context, width, device=device, dtype=dtype) for _ in range(batch)]
+            state.buffer.normal_()
+            state.lengths.fill_(context)
     cache.lengths.fill_(context)
     return cache
 
@@ -390,6 +408,9 @@ def decode_step_bytes(model: K3ForCausalLM, batch: int, context: int) -> dict:
     return {"weights": weights, "kda_states": state, "mla_latents": latents, "total": weights + state + latents}
 
 
+DECODE_STEPS_PER_CALL = 32  # timed back to back, then the cache lengths are reset to the context
+
+
 def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
     base = load_config("k3-tiny" if smoke else "k3-1b").replace(mla_impl="absorb")
     dtype = torch.bfloat16
@@ -399,48 +420,60 @@ def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record,
     for variant, cfg in (("hybrid", base), ("all-MLA", all_mla(base))):
         with torch.device(device):
             models[variant] = K3ForCausalLM(cfg).to(dtype).eval()
+    # CUDA graphs on the GPU; eager too at batch 1, where launch overhead matters most
+    modes = [("graph", True)] if device.type == "cuda" else [("eager", False)]
     last_step_s = 0.05
     for context in contexts:
         for batch in batches:
             for variant, model in models.items():
-                name = f"{variant} B{batch} ctx{context}"
-                need = cache_bytes(model.config, batch, context, 2)
-                if need > budget_bytes:
-                    _skip(record, "decode", name, f"cache {need / GB:.0f} GB over the {budget_bytes / GB:.0f} GB allowance")
-                    continue
-                if time.monotonic() + 12 * last_step_s + 5 > deadline:
-                    _skip(record, "decode", name, "time budget")
-                    continue
-                try:
-                    ms = _decode_ms(model, batch, context, device, dtype, smoke)
-                except torch.cuda.OutOfMemoryError as exc:
-                    _skip(record, "decode", name, f"out of memory: {str(exc)[:120]}")
-                    continue
-                except Exception as exc:  # a failing decode path fails every size alike: say so once
-                    _say(record, {"kind": "bench", "bench": "decode", "name": name, "status": "error",
-                                  "note": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                    return
-                finally:
-                    _free(device)
-                last_step_s = max(last_step_s, ms / 1e3)
-                moved = decode_step_bytes(model, batch, context)
-                bound_ms = moved["total"] / (known["copy_gbps"] * GB) * 1e3
-                _say(record, {"kind": "bench", "bench": "decode", "name": name, "status": "ok", "variant": variant,
-                              "batch": batch, "context": context, "ms_per_step": ms,
-                              "tokens_per_s": batch / (ms / 1e3), "bound_ms": bound_ms,
-                              "bound_tokens_per_s": batch / (bound_ms / 1e3), "fraction_of_bound": bound_ms / ms,
-                              "bytes": moved})
+                for mode, graphed in modes + ([("eager", False)] if batch == 1 and device.type == "cuda" else []):
+                    name = f"{variant} B{batch} ctx{context} {mode}"
+                    need = cache_bytes(model.config, batch, context, 2)
+                    if need > budget_bytes:
+                        _skip(record, "decode", name, f"cache {need / GB:.0f} GB over the {budget_bytes / GB:.0f} GB allowance")
+                        continue
+                    if time.monotonic() + 40 * DECODE_STEPS_PER_CALL * last_step_s + 5 > deadline:
+                        _skip(record, "decode", name, "time budget")
+                        continue
+                    try:
+                        ms = _decode_ms(model, batch, context, device, dtype, smoke, graphed)
+                    except torch.cuda.OutOfMemoryError as exc:
+                        _skip(record, "decode", name, f"out of memory: {str(exc)[:120]}")
+                        continue
+                    except Exception as exc:  # a failing decode path fails every size alike: say so once
+                        _say(record, {"kind": "bench", "bench": "decode", "name": name, "status": "error",
+                                      "note": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                        return
+                    finally:
+                        _free(device)
+                    last_step_s = max(last_step_s, ms / 1e3) if graphed else last_step_s
+                    # the timed steps see contexts context .. context + steps: count the middle one
+                    moved = decode_step_bytes(model, batch, context + DECODE_STEPS_PER_CALL // 2)
+                    bound_ms = moved["total"] / (known["copy_gbps"] * GB) * 1e3
+                    _say(record, {"kind": "bench", "bench": "decode", "name": name, "status": "ok",
+                                  "variant": variant, "mode": mode, "batch": batch, "context": context,
+                                  "ms_per_step": ms, "tokens_per_s": batch / (ms / 1e3), "bound_ms": bound_ms,
+                                  "bound_tokens_per_s": batch / (bound_ms / 1e3),
+                                  "fraction_of_bound": bound_ms / ms, "bytes": moved})
 
 
 @torch.no_grad()
-def _decode_ms(model: K3ForCausalLM, batch: int, context: int, device, dtype, smoke: bool) -> float:
-    cache = random_cache(model.config, batch, context, device, dtype)
+def _decode_ms(model: K3ForCausalLM, batch: int, context: int, device, dtype, smoke: bool, graphed: bool) -> float:
+    """Milliseconds per greedy decode step (one token per sequence, no host sync), timed over
+    DECODE_STEPS_PER_CALL consecutive steps, with or without CUDA-graph replay."""
+    cache = random_cache(model.config, batch, context, device, dtype, capacity=context + DECODE_STEPS_PER_CALL)
     tokens = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    step = CUDAGraphDecoder(model, cache).step if graphed else (lambda t: model(t, cache=cache)[:, -1])
+    mla = [s for s in cache.layers if isinstance(s, MLAState)]
 
-    def step() -> None:  # one token per sequence, greedy, no host sync
-        tokens.copy_(model(tokens, cache=cache)[:, -1].argmax(-1, keepdim=True))
+    def steps() -> None:
+        for _ in range(DECODE_STEPS_PER_CALL):
+            tokens.copy_(step(tokens).argmax(-1, keepdim=True))
+        cache.lengths.fill_(context)  # back to the measured context (rows past it are overwritten)
+        for state in mla:
+            state.lengths.fill_(context)
 
-    return median_ms(step, device, warmup_ms=1, rep_ms=300 if not smoke else 50)
+    return median_ms(steps, device, warmup_ms=1, rep_ms=300 if not smoke else 50) / DECODE_STEPS_PER_CALL
 
 
 # ----------------------------------------------------------------------------- (4) routed experts
@@ -476,7 +509,19 @@ def bench_moe(device: torch.device, smoke: bool, known: dict, record: Record, de
                           "tflops": flops / (ms * 1e-3) / 1e12})
 
 
-BENCHES = {"train": bench_train, "kda": bench_kda, "decode": bench_decode, "moe": bench_moe}
+# ----------------------------------------------------------------------------- (5) serving engine vs HF
+def bench_serve(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
+    """bench/serve.py's comparison at GPU size: the k3 engine vs HF `generate` on the same random
+    Kimi-Linear weights, bf16, after a warm-up run of each."""
+    from bench.serve import run
+
+    size, prompts, prompt_len, new_tokens, vocab = ("tiny", 4, 16, 8, 4096) if smoke else ("gpu", 64, 512, 128, 32000)
+    result = run(size, device, prompts, prompt_len, new_tokens, vocab)
+    _say(record, {"kind": "bench", "bench": "serve", "status": "ok", "size": size,
+                  "name": f"Kimi-Linear '{size}', {prompts} prompts x {prompt_len} tokens, {new_tokens} new", **result})
+
+
+BENCHES = {"train": bench_train, "kda": bench_kda, "decode": bench_decode, "moe": bench_moe, "serve": bench_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3.config import K3Config, load_config  # noqa: E402
 from k3.model import experts as experts_module  # noqa: E402
 from k3.model.cache import K3Cache, KDAState, MLAState  # noqa: E402
+from k3.model.decode_graph import CUDAGraphDecoder  # noqa: E402
 from k3.model.experts import RoutedExperts  # noqa: E402
 from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
@@ -347,10 +348,10 @@ def check_mla(c: Checker) -> None:
     def run(device, dtype, impl):
         m = copy.deepcopy(layer).to(device, dtype)
         m.config = cfg.replace(mla_impl=impl)
-        state = MLAState.empty(cfg, N, device, dtype)
+        state = MLAState.empty(cfg, N, device, dtype, capacity=max(lengths) + steps)
         outs = [m(x_prefill.to(device, dtype), cu_seqlens=cu.to(device), state=state)[0]]
         outs += [m(x.to(device, dtype), state=state)[:, 0] for x in x_steps]
-        return torch.cat(outs), torch.cat(state.latents)
+        return torch.cat(outs), torch.cat([state.rows(n) for n in range(N)])
 
     y_ref, lat_ref = run(torch.device("cpu"), torch.float32, "naive")
     for dtype, impl, bound in ((torch.bfloat16, "naive", BF16), (torch.bfloat16, "absorb", BF16),
@@ -401,6 +402,14 @@ def check_model_decode(c: Checker) -> None:
             stepped = torch.cat([m(ids[:, T - steps + t:T - steps + t + 1], cache=cache) for t in range(steps)], 1)
         c.compare(f"model {c.device.type} {str(dtype).removeprefix('torch.')} decode = prefill (last {steps} logits)",
                   full, stepped, bound, tf32)
+        if c.device.type == "cuda":  # the same steps replayed from a CUDA graph
+            with torch.no_grad():
+                cache = K3Cache.empty(m.config, B, device=c.device, dtype=dtype, capacity=T)
+                m(ids[:, :-steps], cache=cache)
+                decoder = CUDAGraphDecoder(m, cache)
+                graphed = torch.stack([decoder.step(ids[:, T - steps + t]).clone() for t in range(steps)], 1)
+            c.compare(f"model cuda {str(dtype).removeprefix('torch.')} CUDA-graph decode = prefill "
+                      f"(last {steps} logits)", full, graphed, bound, tf32)
 
 
 def checks_layers(c: Checker) -> None:

@@ -51,6 +51,7 @@ SECTIONS = [
     Section("bench:decode", 150, 25),  # before bench:kda, whose fla-layer compile is the slowest part
     Section("bench:kda", 240, 20),
     Section("bench:moe", 25, 10),
+    Section("bench:serve", 150, 40),
 ]
 SMOKE_CAP_S = 600  # CPU smoke sizes are tiny but the machine is shared and slow
 MARGIN_S = 5  # a child stops starting work this long before it would be killed
@@ -278,10 +279,22 @@ def _bench_tables(entries: list[dict]) -> list[str]:
                 out.append(f"{e['name']}: {e['usable']}")
     dec = [e for e in entries if e.get("bench") == "decode" and e.get("status") == "ok"]
     if dec:
+        # the hybrid's advantage: its tokens/s over the all-MLA variant's, same batch, context, mode
+        mla = {(e["batch"], e["context"], e.get("mode")): e["tokens_per_s"] for e in dec if e["variant"] == "all-MLA"}
         out += ["### Decode (bf16, absorbed MLA, one token per sequence per step)", _table(
-            ["variant", "batch", "context", "ms/step", "tokens/s", "bandwidth-bound tokens/s", "fraction of bound"],
-            [[e["variant"], e["batch"], e["context"], e["ms_per_step"], e["tokens_per_s"], e["bound_tokens_per_s"],
-              f"{e['fraction_of_bound']:.1%}"] for e in dec])]
+            ["variant", "mode", "batch", "context", "ms/step", "tokens/s", "bandwidth-bound tokens/s",
+             "fraction of bound", "hybrid / all-MLA"],
+            [[e["variant"], e.get("mode", "eager"), e["batch"], e["context"], e["ms_per_step"], e["tokens_per_s"],
+              e["bound_tokens_per_s"], f"{e['fraction_of_bound']:.1%}",
+              f"{e['tokens_per_s'] / mla[key]:.2f}x" if e["variant"] == "hybrid" and (
+                  key := (e["batch"], e["context"], e.get("mode"))) in mla else ""] for e in dec])]
+    serve = [e for e in entries if e.get("bench") == "serve" and e.get("status") == "ok"]
+    if serve:
+        out += ["### Serving engine vs HF transformers generate (greedy, same weights)", _table(
+            ["workload", "dtype", "HF tokens/s", "k3 tokens/s", "k3 / HF", "HF TTFT s", "k3 TTFT s",
+             "greedy agreement"],
+            [[e["name"], e["dtype"], e["hf_tokens_per_s"], e["k3_tokens_per_s"], f"{e['throughput_ratio']:.2f}x",
+              e["hf_ttft_s"], e["k3_ttft_s"], f"{e['greedy_agreement']:.1%}"] for e in serve])]
     moe = [e for e in entries if e.get("bench") == "moe" and e.get("status") == "ok"]
     if moe:
         out += ["### Routed experts (bf16)", _table(["case", "ms", "TFLOP/s"],

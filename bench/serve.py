@@ -1,11 +1,15 @@
 """Throughput and time-to-first-token of the k3 engine vs HF transformers `generate`, on the same
-small random Kimi-Linear-config weights (written by transformers, loaded by k3).
+random Kimi-Linear-config weights (written by transformers, loaded by k3).
 
-    python bench/serve.py [--prompts 16 --prompt-len 64 --new-tokens 32] [--record docs/BENCHMARKS.md]
+    python bench/serve.py [--size tiny|gpu] [--device cpu|cuda] [--prompts 16 --prompt-len 64
+                          --new-tokens 32] [--record docs/BENCHMARKS.md]
 
-Both run greedy with the same batch; HF's batch is uniform-length (no padding needed). TTFT for HF
-is its batched prefill + first token (`max_new_tokens=1`); for k3 it is the mean over requests of
-arrival -> first token under continuous batching. Prints a short table last.
+Both run greedy with the same batch, in the same dtype (fp32 on CPU, bf16 on CUDA), after one
+untimed warm-up run of the same work (kernel compilation and autotuning are not measured); HF's
+batch is uniform-length (no padding needed). TTFT for HF is its batched prefill + first token
+(`max_new_tokens=1`); for k3 it is the mean over requests of arrival -> first token under
+continuous batching. On CUDA both use fla's KDA kernels (transformers picks them up when
+flash-linear-attention is installed). Prints a short table last.
 """
 from __future__ import annotations
 
@@ -25,89 +29,144 @@ from k3.model.checkpoint import load_pretrained  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
 
+# Kimi-Linear configs: "tiny" is about k3-tiny (8 layers, MLA at 4 and 8); "gpu" is k3-1b-like
+# (12 layers of width 1024, 8 KDA heads of 128, MLA at 4, 8, 12 with the official 512/64 latent
+# and 128/128 heads, 32 experts of which 4 are picked, plus a shared one).
+SIZES = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, intermediate_size=384,
+                 moe_intermediate_size=96, num_experts=16, num_experts_per_token=2, kv_lora_rank=32,
+                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_head_dim=32, kda_heads=4,
+                 mla_layers=[4, 8]),
+    "gpu": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, intermediate_size=2816,
+                moe_intermediate_size=512, num_experts=32, num_experts_per_token=4, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kda_head_dim=128, kda_heads=8,
+                mla_layers=[4, 8, 12]),
+}
 
-def kimi_linear(vocab: int) -> transformers.KimiLinearForCausalLM:
-    """A Kimi-Linear-config model about the size of k3-tiny: 8 layers, MLA at 4 and 8, MoE."""
+
+def kimi_linear(vocab: int, size: str = "tiny") -> transformers.KimiLinearForCausalLM:
+    """A random Kimi-Linear-config model of one of SIZES."""
+    c = dict(SIZES[size])
+    layers, mla, heads, head_dim = c.pop("num_hidden_layers"), c.pop("mla_layers"), c.pop("kda_heads"), c.pop("kda_head_dim")
     cfg = transformers.KimiLinearConfig(
-        vocab_size=vocab, hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=384, moe_intermediate_size=96, num_experts=16, num_experts_per_token=2,
-        num_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, mla_use_nope=True,
-        linear_attn_config={"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "head_dim": 32,
-                            "num_heads": 4, "short_conv_kernel_size": 4},
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        vocab_size=vocab, num_hidden_layers=layers, num_key_value_heads=c["num_attention_heads"],
+        num_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, mla_use_nope=True,
+        linear_attn_config={"kda_layers": [i for i in range(1, layers + 1) if i not in mla], "full_attn_layers": mla,
+                            "head_dim": head_dim, "num_heads": heads, "short_conv_kernel_size": 4},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **c)
     torch.manual_seed(0)
     model = transformers.KimiLinearForCausalLM(cfg).eval()
     with torch.no_grad():  # random weights with some spread, so greedy outputs are not degenerate
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0, 0.05)
+                p.normal_(0, 0.05 if size == "tiny" else 0.02)
     return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
 def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, list[list[int]]]:
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    _sync(prompts.device)
     t = time.perf_counter()
     model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kw)
+    _sync(prompts.device)
     ttft = time.perf_counter() - t
     t = time.perf_counter()
     out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    _sync(prompts.device)
     elapsed = time.perf_counter() - t
     return ttft, elapsed, out[:, prompts.shape[1]:].tolist()
 
 
 def bench_k3(model, prompts: list[list[int]], new_tokens: int, budget: int) -> tuple[float, float, list[list[int]]]:
+    """The engine sized for the whole batch at once: its cache holds every request's pages."""
+    longest = max(len(p) for p in prompts) + new_tokens
     engine = LLMEngine(model, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget,
-                                           enable_prefix_caching=False))
+                                           max_model_len=max(longest, 4096), enable_prefix_caching=False,
+                                           cache_bytes=_engine_cache_bytes(model, len(prompts), longest)))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    device = next(model.parameters()).device
+    _sync(device)
     t0 = time.perf_counter()
     requests = [engine.add_request(p, params) for p in prompts]
     first: dict[str, float] = {}
     while engine.has_unfinished:
         for o in engine.step():
             first.setdefault(o.request_id, time.perf_counter() - t0)
+    _sync(device)
     elapsed = time.perf_counter() - t0
     return sum(first.values()) / len(first), elapsed, [r.output_token_ids for r in requests]
 
 
+def _engine_cache_bytes(model, num_seqs: int, tokens: int) -> int:
+    """Pages for every sequence's latents and KDA states, twice over (headroom), at least 64 MiB."""
+    from k3.serve.page_layout import PageLayout
+
+    dtype = next(model.parameters()).dtype
+    layout = PageLayout.from_config(model.config, EngineConfig.block_size, dtype)
+    per_seq = (layout.mla_pages_for(tokens) + layout.pages_per_snapshot * layout.num_kda_layers) * layout.page_bytes
+    return max(64 << 20, 2 * num_seqs * per_seq)
+
+
+def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_tokens: int, vocab: int,
+        warmup: bool = True) -> dict:
+    """Both engines on the same prompts; returns throughput, TTFT and greedy agreement."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf = kimi_linear(vocab, size)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = load_pretrained(d, device=device, dtype=dtype).eval()
+    hf = hf.to(device, dtype)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (prompts, prompt_len), generator=g)
+    budget = prompts * prompt_len
+    for _ in range(1 + warmup):  # the last round is the measured one
+        hf_ttft, hf_time, hf_out = bench_hf(hf, ids.to(device), new_tokens)
+        k3_ttft, k3_time, k3_out = bench_k3(ours, ids.tolist(), new_tokens, budget=budget)
+    n = prompts * new_tokens
+    agree = sum(a == b for x, y in zip(hf_out, k3_out) for a, b in zip(x, y)) / n
+    return {"hf_tokens_per_s": n / hf_time, "hf_ttft_s": hf_ttft, "k3_tokens_per_s": n / k3_time,
+            "k3_ttft_s": k3_ttft, "throughput_ratio": hf_time / k3_time, "ttft_ratio": k3_ttft / hf_ttft,
+            "greedy_agreement": agree, "dtype": str(dtype).removeprefix("torch.")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--no-warmup", action="store_true", help="measure the first run (includes compilation)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--record", type=Path, default=None, help="append the result to this markdown file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    hf = kimi_linear(args.vocab)
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(d)
-        ours = load_pretrained(d).eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, args.vocab, (args.prompts, args.prompt_len), generator=g)
-    hf_ttft, hf_time, hf_out = bench_hf(hf, prompts, args.new_tokens)
-    k3_ttft, k3_time, k3_out = bench_k3(ours, prompts.tolist(), args.new_tokens,
-                                        budget=args.prompts * args.prompt_len)
-    n = args.prompts * args.new_tokens
-    agree = sum(a == b for x, y in zip(hf_out, k3_out) for a, b in zip(x, y)) / n
-    rows = [("HF transformers generate", n / hf_time, hf_ttft), ("k3 engine", n / k3_time, k3_ttft)]
-    device = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    device = torch.device(args.device)
+    r = run(args.size, device, args.prompts, args.prompt_len, args.new_tokens, args.vocab, not args.no_warmup)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     cmd = "python bench/serve.py " + " ".join(sys.argv[1:])
-    table = [f"| engine | tokens/s | TTFT (s) |", "|---|---|---|"]
-    table += [f"| {name} | {tps:.1f} | {ttft:.3f} |" for name, tps, ttft in rows]
-    summary = (f"k3/HF throughput ratio {rows[1][1] / rows[0][1]:.2f}x, TTFT ratio {k3_ttft / hf_ttft:.2f}x; "
-               f"greedy tokens agreeing with HF: {agree:.1%}")
+    table = ["| engine | tokens/s | TTFT (s) |", "|---|---|---|",
+             f"| HF transformers generate | {r['hf_tokens_per_s']:.1f} | {r['hf_ttft_s']:.3f} |",
+             f"| k3 engine | {r['k3_tokens_per_s']:.1f} | {r['k3_ttft_s']:.3f} |"]
+    summary = (f"k3/HF throughput ratio {r['throughput_ratio']:.2f}x, TTFT ratio {r['ttft_ratio']:.2f}x; "
+               f"greedy tokens agreeing with HF: {r['greedy_agreement']:.1%}")
     if args.record:
         with open(args.record, "a") as f:
             f.write(f"\n## serve: k3 engine vs HF generate ({datetime.date.today()})\n\n"
-                    f"`{cmd}` on {device}; {args.prompts} prompts x {args.prompt_len} tokens, "
-                    f"{args.new_tokens} new tokens each, greedy, Kimi-Linear config (8 layers, d=128), "
+                    f"`{cmd}` on {where}; {args.prompts} prompts x {args.prompt_len} tokens, "
+                    f"{args.new_tokens} new tokens each, greedy, {r['dtype']}, Kimi-Linear config '{args.size}', "
                     f"torch {torch.__version__}, transformers {transformers.__version__}.\n\n"
                     + "\n".join(table) + f"\n\n{summary}\n")
-    print(f"{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens, {device}")
+    print(f"{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens, {where}")
     print(summary)
     print("\n".join(table))
 

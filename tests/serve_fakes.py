@@ -45,7 +45,12 @@ class FakeModel(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1))  # gives the runner a device and dtype
 
     def forward(self, input_ids, *, cu_seqlens=None, cache=None):
-        assert input_ids.shape[0] == 1 and cache is not None
+        assert cache is not None
+        shape = input_ids.shape
+        if cu_seqlens is None:  # a uniform batch [N, T]: the same as N packed sequences of T
+            cu_seqlens = torch.arange(0, input_ids.numel() + 1, shape[1])
+            input_ids = input_ids.reshape(1, -1)
+        assert input_ids.shape[0] == 1
         bounds = cu_seqlens.tolist()
         logits = torch.zeros(1, input_ids.shape[1], self.config.vocab_size)
         for n in range(len(bounds) - 1):
@@ -56,18 +61,20 @@ class FakeModel(nn.Module):
                         layer.recurrent[n] = (layer.recurrent[n] + t) % 9973
                         layer.conv[n] = torch.cat([layer.conv[n][:, 1:], torch.full_like(layer.conv[n][:, :1], t)], 1)
                     else:
-                        row = torch.full((1, layer.latents[n].shape[1]), t)
-                        row[0, 0] = len(layer.latents[n]) % 7
-                        layer.latents[n] = torch.cat([layer.latents[n], row])
+                        length = int(layer.lengths[n])
+                        layer.reserve(length + 1)
+                        layer.buffer[n, length] = t
+                        layer.buffer[n, length, 0] = length % 7
+                        layer.lengths[n] += 1
                 kda_layer = next(layer for layer in cache.layers if hasattr(layer, "recurrent"))
-                mla_layer = next(layer for layer in cache.layers if hasattr(layer, "latents"))
-                lat = mla_layer.latents[n]
+                mla_layer = next(layer for layer in cache.layers if hasattr(layer, "buffer"))
+                lat = mla_layer.rows(n)
                 kda = int(kda_layer.recurrent[n, 0, 0, 0])
                 tail = int(kda_layer.conv[n, 0].sum())
                 mla = int((lat[:, 0] * lat[:, 1]).sum()) % 9973
                 logits[0, pos, self.predict(lat[:, 1].long().tolist(), kda, tail, mla)] = 1.0
         cache.lengths += torch.tensor(cu_seqlens.diff().tolist())
-        return logits
+        return logits.view(*shape, -1)
 
     def predict(self, history: list[int], kda: int, tail: int, mla: int) -> int:
         return (3 * kda + 5 * tail + 7 * mla + len(history)) % VOCAB

@@ -1,13 +1,18 @@
 """Decode-state containers: what a sequence carries between forward calls (SPEC §3, §4).
 
-N sequences, H heads, K key dim, V value dim, C = H*K conv channels, W conv width.
+N sequences, H heads, K key dim, V value dim, C = H*K conv channels, W conv width,
+S the MLA buffer's capacity in tokens, L+R = kv_lora_rank + qk_rope_head_dim.
 - KDA layer: the conv tails of the q/k/v short convolutions (the last W-1 *pre-conv* inputs,
   [N, 3C, W-1], q|k|v order) and the fp32 recurrent state [N, H, K, V] (fla's op layout).
 - MLA layer: per sequence, the normalized latent c (kv_lora_rank) and the unrotated key slot
-  k_pe (qk_rope_head_dim), concatenated: [S_n, kv_lora_rank + qk_rope_head_dim]. A list, so
-  sequences of different lengths need no padding; the serving engine builds these from pages.
+  k_pe (qk_rope_head_dim), concatenated, in one padded buffer [N, S, L+R] whose first
+  lengths[n] rows belong to sequence n. Padded rather than one tensor per sequence so a decode
+  step writes its rows in place and attends for every sequence in one batched product, with no
+  host synchronization (what CUDA-graph replay needs); the serving engine fills it from pages.
 
-The model reads these and writes them in place: a forward with a cache continues every sequence.
+The model reads these and writes them: in place under no_grad (decode), by replacing the tensors
+when autograd is recording (training through a cache keeps its graph). `K3Cache.lengths` (CPU) is
+the host's count of consumed tokens; `K3Cache.reserve` grows the MLA buffers before a forward.
 Packed batches (cu_seqlens) and caches share the same sequence order.
 """
 from __future__ import annotations
@@ -17,6 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from k3.config import K3Config
+
+# MLA buffers grow in steps of this many tokens: a decode step reallocates once per step of
+# growth, and attention reads at most this many unused rows per sequence.
+MLA_CAPACITY_STEP = 256
 
 
 @dataclass
@@ -39,15 +48,44 @@ class KDAState:
 
 @dataclass
 class MLAState:
-    latents: list[torch.Tensor]  # per sequence [S_n, kv_lora_rank + qk_rope_head_dim]
+    buffer: torch.Tensor  # [N, S, L+R], model dtype; rows past lengths[n] are unused
+    lengths: torch.Tensor  # [N] int64 on the buffer's device: rows in use per sequence
 
     @classmethod
-    def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32) -> "MLAState":
+    def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32,
+              capacity: int = 0) -> "MLAState":
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        return cls([torch.zeros(0, width, device=device, dtype=dtype) for _ in range(num_seqs)])
+        return cls(torch.zeros(num_seqs, capacity, width, device=device, dtype=dtype),
+                   torch.zeros(num_seqs, dtype=torch.long, device=device))
+
+    @classmethod
+    def from_rows(cls, rows: list[torch.Tensor], capacity: int) -> "MLAState":
+        """Sequence n's latents rows[n] [S_n, L+R] in a buffer of at least `capacity` tokens."""
+        buffer = rows[0].new_zeros(len(rows), max(capacity, *(len(r) for r in rows)), rows[0].shape[-1])
+        for n, r in enumerate(rows):
+            buffer[n, :len(r)] = r
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=buffer.device)
+        return cls(buffer, lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[1]
+
+    def rows(self, n: int) -> torch.Tensor:
+        """[lengths[n], L+R]: sequence n's latents (a view; reads the length back to the host)."""
+        return self.buffer[n, :int(self.lengths[n])]
+
+    def reserve(self, num_tokens: int) -> None:
+        """Make room for `num_tokens` rows per sequence (existing rows kept)."""
+        if num_tokens <= self.capacity:
+            return
+        capacity = -(-num_tokens // MLA_CAPACITY_STEP) * MLA_CAPACITY_STEP
+        grown = self.buffer.new_zeros(self.buffer.shape[0], capacity, self.buffer.shape[2])
+        grown[:, :self.capacity] = self.buffer
+        self.buffer = grown
 
     def select(self, index: list[int]) -> "MLAState":
-        return MLAState([self.latents[i] for i in index])
+        return MLAState(self.buffer[index].clone(), self.lengths[index].clone())
 
 
 class K3Cache:
@@ -58,9 +96,12 @@ class K3Cache:
         self.lengths = lengths  # [N] tokens already consumed per sequence (int64, CPU)
 
     @classmethod
-    def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32) -> "K3Cache":
+    def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32,
+              capacity: int = 0) -> "K3Cache":
+        """`capacity`: MLA rows to allocate up front (a CUDA-graph decode needs them all before capture)."""
         layers = [
-            (MLAState if config.is_mla_layer(i) else KDAState).empty(config, num_seqs, device, dtype)
+            MLAState.empty(config, num_seqs, device, dtype, capacity) if config.is_mla_layer(i)
+            else KDAState.empty(config, num_seqs, device, dtype)
             for i in range(config.num_hidden_layers)
         ]
         return cls(layers, torch.zeros(num_seqs, dtype=torch.long))
@@ -68,6 +109,13 @@ class K3Cache:
     @property
     def num_seqs(self) -> int:
         return int(self.lengths.numel())
+
+    def reserve(self, new_tokens: torch.Tensor) -> None:
+        """Room in every MLA buffer for `new_tokens` [N] (CPU) more tokens per sequence."""
+        needed = int((self.lengths + new_tokens).max()) if self.num_seqs else 0
+        for layer in self.layers:
+            if isinstance(layer, MLAState):
+                layer.reserve(needed)
 
     def select(self, index: list[int]) -> "K3Cache":
         """A cache holding copies of the chosen sequences' states (in the given order)."""

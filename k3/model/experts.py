@@ -25,6 +25,14 @@ def _grouped_mm_available(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
+def expert_counts(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows routed to each expert: idx [...] -> [num_experts] int64. A scatter-add rather than
+    torch.bincount, whose CUDA kernel reads max(idx) back to the host: this one never synchronizes,
+    so a decode step can be captured in a CUDA graph."""
+    flat = idx.flatten()
+    return torch.zeros(num_experts, dtype=torch.long, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class RoutedExperts(nn.Module):
     def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -76,7 +84,7 @@ class RoutedExperts(nn.Module):
             return torch.zeros_like(x)
         flat_expert = idx.flatten()
         order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        counts = expert_counts(flat_expert, self.num_experts)
         y = self.run_sorted(x.index_select(0, order // k), counts)
         y = y.float() * weights.flatten()[order, None]
         y = torch.zeros_like(y).index_copy(0, order, y)  # back to (token, slot) order

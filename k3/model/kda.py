@@ -105,8 +105,8 @@ class KimiDeltaAttention(KeepsFP32):
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                 state: KDAState | None = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. With `state`, continue its N sequences and write the new conv
-        tails and recurrent state back into it (attribute assignment, so autograd stays intact)."""
+        """x [B, T, D] -> [B, T, D]. With `state`, continue its N sequences and leave the new conv
+        tails and recurrent state in it."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -120,11 +120,17 @@ class KimiDeltaAttention(KeepsFP32):
         q, k = l2_normalize(q.float(), eps=1e-6), l2_normalize(k.float(), eps=1e-6)
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.forget_gate(x)
+        # Under no_grad (decode) the state is updated in place: it keeps its address for CUDA-graph
+        # replay; under autograd it is replaced, keeping the graph through it intact.
+        in_place = state is not None and not torch.is_grad_enabled()
         o, final_state = kda(q, k, v, g, beta, scale=K ** -0.5,
                              initial_state=None if state is None else state.recurrent,
                              output_final_state=state is not None, cu_seqlens=cu_seqlens,
-                             impl=self.config.kda_impl, chunk_size=self.config.kda_chunk_size)
-        if state is not None:
+                             impl=self.config.kda_impl, chunk_size=self.config.kda_chunk_size,
+                             update_state_in_place=in_place)
+        if in_place:
+            state.conv.copy_(tails)
+        elif state is not None:
             state.conv = tails.to(state.conv.dtype)
             state.recurrent = final_state
         gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))

@@ -11,6 +11,8 @@ Two attention paths over the same weights (config.mla_impl):
 - "naive": expand the latent into per-head keys/values with kv_b_proj, then SDPA.
 - "absorb" (DeepSeek-V3 `attn_impl="absorb"`): fold kv_b's key half into the query and its value
   half into the output, so attention runs against the cached latents directly; cheaper at decode.
+With a cache (k3/model/cache.py MLAState), a uniform batch [B, T] continues its B sequences in one
+batched attention over the padded latent buffer; a packed row attends document by document.
 """
 from __future__ import annotations
 
@@ -65,14 +67,9 @@ class GatedMLA(nn.Module):
         return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
 
     # ------------------------------------------------------------------ attention
-    def attend(self, q: torch.Tensor, lat: torch.Tensor, offset: int) -> torch.Tensor:
-        """q [B, T, H, N+R] (new tokens at absolute positions offset..offset+T-1) against
-        lat [B, S, L+R] (all keys 0..S-1, S = offset + T). Returns [B, T, H*V]."""
-        T, S = q.shape[1], lat.shape[1]
-        mask = None
-        if not (offset == 0 and T == S):
-            pos_q = torch.arange(T, device=q.device) + offset
-            mask = torch.arange(S, device=q.device)[None, :] <= pos_q[:, None]  # [T, S]
+    def attend(self, q: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, T, H, N+R] against the latents lat [B, S, L+R] -> [B, T, H*V]. mask: bool,
+        broadcastable to [B, 1, T, S] (True = may attend); None = causal with S == T."""
         if self.config.mla_impl == "absorb":
             o = self._attend_absorbed(q, lat, mask)
         else:
@@ -90,51 +87,79 @@ class GatedMLA(nn.Module):
         return o.transpose(1, 2)  # [B, T, H, V]
 
     def _attend_absorbed(self, q, lat, mask):
-        H = self.num_heads
-        c, k_pe = lat.split([self.latent_dim, self.pe_dim], dim=-1)
-        w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.latent_dim)
+        H, L = self.num_heads, self.latent_dim
+        w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, L)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, N, L], [H, V, L]
         q_nope, q_pe = q.split([self.nope_dim, self.pe_dim], dim=-1)
-        q_lat = torch.einsum("bthn,hnl->bthl", q_nope, w_uk)
-        scores = torch.einsum("bthl,bsl->bhts", q_lat, c) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
-        scores = scores.float() * self.scale
+        # [q_nope W_uk | q_pe] . [c | k_pe] = q_nope.k_nope + q_pe.k_pe: one product reads each
+        # cached row once (at decode this read is the step's cost).
+        q_abs = torch.cat([torch.einsum("bthn,hnl->bthl", q_nope, w_uk), q_pe], dim=-1)
+        scores = torch.einsum("bthw,bsw->bhts", q_abs, lat).float() * self.scale
         if mask is None:
             T = q.shape[1]
             mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(c.dtype)
-        o_lat = torch.einsum("bhts,bsl->bthl", p, c)
+        p = torch.softmax(scores, dim=-1).to(lat.dtype)
+        o_lat = torch.einsum("bhts,bsl->bthl", p, lat[..., :L])
         return torch.einsum("bthl,hvl->bthv", o_lat, w_uv)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                 state: MLAState | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. Packed rows (cu_seqlens, B == 1) never attend across documents;
-        with `state`, sequence n attends to its cached latents and they are extended in place."""
+        with `state`, sequence n attends to its cached latents and its new ones are appended (the
+        buffer must have room: `K3Cache.reserve`, which the model's forward calls)."""
         q, lat = self.queries(x), self.latents(x)
-        if cu_seqlens is None and state is None:
-            o = self.attend(q, lat, offset=0)
-        else:
-            segments = _segments(x.shape[0], x.shape[1], cu_seqlens)
-            if state is not None and len(state.latents) != len(segments):
-                raise ValueError(f"MLA layer {self.layer_idx}: the cache holds {len(state.latents)} sequences, "
-                                 f"the batch has {len(segments)}")
+        if state is None and cu_seqlens is None:
+            o = self.attend(q, lat, mask=None)
+        elif state is None:
             o = x.new_empty(*x.shape[:2], self.num_heads * self.v_dim)
-            for n, (b, start, end) in enumerate(segments):
-                new = lat[b:b + 1, start:end]
-                past = state.latents[n] if state is not None else new[0, :0]
-                full = torch.cat([past.to(new.dtype), new[0]], dim=0)[None]
-                if state is not None:
-                    state.latents[n] = full[0]  # autograd kept, as KDA keeps its state's
-                o[b:b + 1, start:end] = self.attend(q[b:b + 1, start:end], full, offset=past.shape[0])
+            for start, end in _bounds(cu_seqlens):
+                o[:, start:end] = self.attend(q[:, start:end], lat[:, start:end], mask=None)
+        else:
+            num_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+            if state.buffer.shape[0] != num_seqs:
+                raise ValueError(f"MLA layer {self.layer_idx}: the cache holds {state.buffer.shape[0]} sequences, "
+                                 f"the batch has {num_seqs}")
+            # Under autograd the buffer is replaced, not written, so tensors saved for backward by an
+            # earlier forward stay intact; under no_grad (decode) it is written in place.
+            buffer = state.buffer.clone() if torch.is_grad_enabled() else state.buffer
+            if cu_seqlens is None:
+                o = self._extend_uniform(q, lat, buffer, state.lengths)
+            else:
+                o = self._extend_packed(q, lat, buffer, state.lengths, cu_seqlens)
+            state.buffer = buffer
         if self.config.mla_use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
+    def _extend_uniform(self, q, lat, buffer, lengths):
+        """B sequences continued by T tokens each, in one batched attention over the whole buffer
+        (no host synchronization: a CUDA-graph decode step replays this)."""
+        B, T = lat.shape[:2]
+        pos = lengths[:, None] + torch.arange(T, device=lat.device)  # [B, T] absolute positions
+        buffer[torch.arange(B, device=lat.device)[:, None], pos] = lat.to(buffer.dtype)
+        mask = torch.arange(buffer.shape[1], device=lat.device) <= pos[:, :, None]  # [B, T, S]
+        lengths += T
+        return self.attend(q, buffer.to(lat.dtype), mask[:, None])
 
-def _segments(batch: int, length: int, cu_seqlens: torch.Tensor | None):
-    """(row, start, end) per sequence: rows of a uniform batch, or the documents of a packed row."""
-    if cu_seqlens is None:
-        return [(b, 0, length) for b in range(batch)]
-    bounds = cu_seqlens.tolist()
-    return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    def _extend_packed(self, q, lat, buffer, lengths, cu_seqlens):
+        """One packed row of N documents: every write first, then each document's attention over its
+        own rows (reading the lengths back to the host, as packed prefill does anyway)."""
+        past = lengths.tolist()
+        bounds = _bounds(cu_seqlens)
+        for n, (start, end) in enumerate(bounds):
+            buffer[n, past[n]:past[n] + end - start] = lat[0, start:end].to(buffer.dtype)
+        o = q.new_empty(*q.shape[:2], self.num_heads * self.v_dim)
+        for n, (start, end) in enumerate(bounds):
+            S = past[n] + end - start
+            mask = torch.arange(S, device=q.device) <= torch.arange(past[n], S, device=q.device)[:, None]  # [T, S]
+            o[:, start:end] = self.attend(q[:, start:end], buffer[n:n + 1, :S].to(lat.dtype), mask)
+        lengths += cu_seqlens.diff().to(lengths)
+        return o
+
+
+def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each document of a packed row."""
+    b = cu_seqlens.tolist()
+    return list(zip(b[:-1], b[1:]))

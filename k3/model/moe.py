@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.precision import KeepsFP32
-from k3.model.experts import RoutedExperts
+from k3.model.experts import RoutedExperts, expert_counts
 from k3.model.situ import DenseMLP
 
 
@@ -78,7 +78,7 @@ class MoEGate(KeepsFP32):
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights * self.routed_scaling_factor
         if self.training:
-            load = torch.bincount(idx.flatten(), minlength=self.num_experts)
+            load = expert_counts(idx, self.num_experts)
             self._score_parts.append(scores.detach())
             self.expert_load = load if self.expert_load is None else self.expert_load + load
         return weights, idx

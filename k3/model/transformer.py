@@ -139,11 +139,13 @@ class K3ForCausalLM(nn.Module):
         num_seqs = input_ids.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         if cache is not None and cache.num_seqs != num_seqs:
             raise ValueError(f"cache holds {cache.num_seqs} sequences, the batch has {num_seqs}")
+        if cache is not None:
+            new_tokens = (cu_seqlens.diff().cpu() if cu_seqlens is not None
+                          else torch.full((num_seqs,), input_ids.shape[1], dtype=torch.long))
+            cache.reserve(new_tokens)
         logits = self.lm_head(self.model(input_ids, cu_seqlens, cache)).float()
         if cache is not None:
-            lengths = (cu_seqlens.diff().cpu() if cu_seqlens is not None
-                       else torch.full((num_seqs,), input_ids.shape[1], dtype=torch.long))
-            cache.lengths += lengths
+            cache.lengths += new_tokens
         return logits
 
     def _forward_padded(self, input_ids, attention_mask, cache):

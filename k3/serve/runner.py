@@ -3,7 +3,8 @@
 Owns the page pool tensor [num_pages, page_bytes] (uint8; the bookkeeping never looks inside)
 and, per step: executes the page plan (zero fresh private state, copy hit snapshots and
 copy-on-write pages in), builds a `K3Cache` for the scheduled requests from their private KDA
-pages and MLA page tables, runs ONE packed forward (cu_seqlens: requests never share state),
+pages and MLA page tables, runs ONE forward (packed with cu_seqlens so requests never share state;
+a step of one token per request runs as a uniform [N, 1] batch, the model's batched decode path),
 writes the new state and latent rows back into pages, snapshots KDA state into checkpoint pages,
 and samples the requests whose chunk reached their last known token.
 
@@ -79,8 +80,9 @@ class ModelRunner:
             layers[i] = KDAState(conv, recurrent)
         if self._mla_layers:
             per_request = [self.read_latents(r.page_table, r.num_computed) for r in requests]
+            capacity = max(r.num_computed + len(r.token_ids) for r in requests)
             for m, i in enumerate(self._mla_layers):
-                layers[i] = MLAState([lat[:, m].contiguous() for lat in per_request])
+                layers[i] = MLAState.from_rows([lat[:, m] for lat in per_request], capacity)
         lengths = torch.tensor([r.num_computed for r in requests], dtype=torch.long)
         return K3Cache(layers, lengths)
 
@@ -97,7 +99,8 @@ class ModelRunner:
             table = torch.tensor(r.page_table, dtype=torch.long)
             pages.append(table[positions // P])
             rows.append(positions % P)
-            values.append(torch.stack([cache.layers[i].latents[n][r.num_computed:] for i in self._mla_layers], 1))
+            new_rows = slice(r.num_computed, r.num_computed + len(r.token_ids))
+            values.append(torch.stack([cache.layers[i].buffer[n, new_rows] for i in self._mla_layers], 1))
         self._latent_pages()[torch.cat(pages), torch.cat(rows)] = torch.cat(values).to(self.layout.dtype)
 
     @torch.inference_mode()
@@ -112,7 +115,10 @@ class ModelRunner:
         cache = self.build_cache(requests)
         ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)[None]
         cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
-        logits = self.model(ids, cu_seqlens=cu, cache=cache)[0]
+        if len(requests) == ids.shape[1]:  # decode only: a uniform [N, 1] batch takes the batched paths
+            logits = self.model(ids.view(-1, 1), cache=cache)[:, 0]
+        else:
+            logits = self.model(ids, cu_seqlens=cu, cache=cache)[0]
         self.write_back(requests, cache)
         self._copy(plan.copy_after)
         chosen = [n for n, r in enumerate(requests) if r.sample]

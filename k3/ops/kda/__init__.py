@@ -1,6 +1,7 @@
 """Kimi Delta Attention ops (SPEC §3): one entry point, three interchangeable backends.
 
-    kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, impl, chunk_size)
+    kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, impl, chunk_size,
+        update_state_in_place)
 
 Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same function:
 - "recurrent": token-by-token fp32 reference (`reference.py`); the CPU decode path (T == 1).
@@ -8,6 +9,9 @@ Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same func
 - "fla":       fla's Triton kernels on CUDA (`fla_backend.py`).
 "auto" picks fla on CUDA when it imports, else recurrent when every sequence is one token long,
 else chunk; it logs each choice once.
+`update_state_in_place=True` (forward-only decode) writes the final state into `initial_state` and
+returns that same tensor: the state keeps its address, as CUDA-graph replay needs, and the fla
+decode kernel writes it directly instead of allocating and copying.
 """
 from __future__ import annotations
 
@@ -39,20 +43,31 @@ def kda(
     cu_seqlens: torch.Tensor | None = None,
     impl: str = "auto",
     chunk_size: int = 64,
+    update_state_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
     if impl not in IMPLS:
         raise ValueError(f"kda: impl must be one of {IMPLS}, got {impl!r}")
+    if update_state_in_place and (initial_state is None or not output_final_state
+                                  or initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
+        raise ValueError("kda: update_state_in_place needs output_final_state=True and a contiguous fp32 "
+                         "initial_state to write into")
     if impl == "auto":
         impl = _auto_impl(q, cu_seqlens)
-        _announce(impl, q.device.type)
+        if not torch.compiler.is_compiling():  # logging inside a traced region would break the graph
+            _announce(impl, q.device.type)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)
+    if impl == "fla":
+        return fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
+                                   update_state_in_place=update_state_in_place)
     if impl == "recurrent":
-        return kda_recurrent(q, k, v, g, beta, **common)
-    if impl == "chunk":
-        return kda_chunk(q, k, v, g, beta, **common, chunk_size=chunk_size)
-    return fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size)
+        o, final_state = kda_recurrent(q, k, v, g, beta, **common)
+    else:
+        o, final_state = kda_chunk(q, k, v, g, beta, **common, chunk_size=chunk_size)
+    if update_state_in_place:
+        final_state = initial_state.copy_(final_state)
+    return o, final_state
 
 
 def _auto_impl(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:

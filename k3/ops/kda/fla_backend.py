@@ -12,8 +12,10 @@ fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
 - `cu_seqlens` is fla's (FlashAttention) convention, the same as ours.
 - chunk_kda accepts chunk sizes 32 and 64 only; a smaller requested chunk runs at 64 (the chunk
   size changes rounding, not the math).
-- decode (every sequence one token long, no gradient needed) uses `fused_recurrent_kda`, which is
-  forward-only; everything else uses `chunk_kda`, which has autograd.
+- decode (every sequence one token long, no gradient needed) uses fla's recurrent kernel, which is
+  forward-only; everything else uses `chunk_kda`, which has autograd. With update_state_in_place
+  the decode kernel reads and writes the caller's state tensor (`fused_recurrent_kda_fwd` with
+  `inplace_final_state=True`: the public `fused_recurrent_kda` always allocates a new one).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def kda_fla(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    update_state_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not q.is_cuda:
         raise ValueError(f"kda impl 'fla' runs on CUDA tensors only, got device {q.device}")
@@ -56,19 +59,27 @@ def kda_fla(
         raise RuntimeError("kda impl 'fla' needs fla-core with triton (pip install 'k3[cuda]'); "
                            "use impl='chunk' or 'auto' instead")
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # fail here, not inside a Triton launch
 
     # fla's kernels take one activation dtype for q/k/v/beta; g and the state stay fp32.
     dtype = v.dtype
     q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.float()
+    target = initial_state if update_state_in_place else None
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, g, beta, initial_state) if t is not None)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)
-    if longest_sequence(q.shape[1], cu_seqlens) == 1 and not needs_grad:
+    decode = longest_sequence(q.shape[1], cu_seqlens) == 1 and not needs_grad
+    if decode and target is not None:
+        # the raw kernel entry skips fla's input_guard: hand it contiguous tensors
+        o, state = fused_recurrent_kda_fwd(*(t.contiguous() for t in (q, k, v, g, beta)), **common,
+                                           inplace_final_state=True)
+        return o, state
+    if decode:
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
         # Everything arrives activated (gate, L2 norm, beta) and the state key-first [N, H, K, V];
@@ -76,4 +87,6 @@ def kda_fla(
         o, state = chunk_kda(q, k, v, g, beta, **common, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                              use_beta_sigmoid_in_kernel=False, safe_gate=False, state_v_first=False,
                              chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
+    if target is not None:
+        state = target.copy_(state)
     return o, state if output_final_state else None
