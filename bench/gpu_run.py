@@ -47,11 +47,11 @@ SECTIONS = [
     Section("checks:kda", 300, 30),  # compiles and autotunes fla's chunk kernels (bf16, packed, fp32)
     Section("checks:layers", 180, 20),
     Section("checks:moe", 40, 10),
-    Section("bench:train", 200, 30),
-    Section("bench:decode", 150, 25),  # before bench:kda, whose fla-layer compile is the slowest part
-    Section("bench:kda", 240, 20),
-    Section("bench:moe", 25, 10),
+    Section("bench:decode", 150, 25),
     Section("bench:serve", 150, 40),
+    Section("bench:train", 200, 30),  # eager, then regional torch.compile (minutes of inductor compiling)
+    Section("bench:kda", 240, 20),  # fla's own layer last: its kernels' first compile is the slowest part
+    Section("bench:moe", 25, 10),
 ]
 SMOKE_CAP_S = 600  # CPU smoke sizes are tiny but the machine is shared and slow
 MARGIN_S = 5  # a child stops starting work this long before it would be killed
@@ -270,7 +270,7 @@ def _bench_tables(entries: list[dict]) -> list[str]:
     if kda:
         out += ["### KDA vs attention, one layer / op, fwd+bwd, bf16, batch 1", _table(
             ["case", "ms", "TFLOP/s"], [[e["name"], e["ms_fwd_bwd"], e.get("tflops", "")] for e in kda])]
-        ratios = [e for e in entries if e.get("bench") == "kda" and e.get("name", "").startswith("ratio")]
+        ratios = [e for e in entries if e.get("bench") == "kda" and e.get("name", "").startswith(("ratio", "speed"))]
         for e in ratios:
             out.append(f"{e['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in e.items()
                                                     if isinstance(v, float)))

@@ -34,3 +34,22 @@ def test_compiled_regions_match_eager():
     assert len(grads) == len(grads_ref)
     for g_ref, g in zip(grads_ref, grads):
         assert_rel_close("grad", g_ref, g, 1e-5)
+
+
+def test_compiled_regions_decode_in_place():
+    """Decode writes the cache in place (MLA rows, KDA states); traced regions must keep doing so."""
+    from k3.model.cache import K3Cache
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = K3ForCausalLM(load_config("k3-tiny")).eval()
+    compiled = copy.deepcopy(model)
+    compile_regions(compiled, backend="eager")
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    outs = []
+    with torch.no_grad():
+        for m in (model, compiled):
+            cache = K3Cache.empty(m.config, 2)
+            m(ids[:, :8], cache=cache)
+            outs.append(torch.cat([m(ids[:, t:t + 1], cache=cache) for t in range(8, 12)], 1))
+    assert_rel_close("decode logits", outs[0], outs[1], 1e-5)
