@@ -145,7 +145,9 @@ def run_all(out: Path, smoke: bool, budget_s: float, only: list[str] | None = No
     cache_dir = Path(os.environ.setdefault("TRITON_CACHE_DIR", str(Path("/tmp") / "k3-triton-cache")))
     if triton_cache is not None:
         print(f"triton cache: {restore_triton_cache(triton_cache, cache_dir)}", flush=True)
-    sections = [s for s in SECTIONS if not only or any(s.name == o or s.name.startswith(o + ":") for o in only)]
+    # in the order --sections names them (groups expand in their listed order); all of them by default
+    sections = SECTIONS if not only else list(dict.fromkeys(
+        s for o in only for s in SECTIONS if s.name == o or s.name.startswith(o + ":")))
     if only and not sections:
         raise SystemExit(f"--sections {','.join(only)} names no section of {[s.name for s in SECTIONS]}")
     for i, section in enumerate(sections):
@@ -357,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="results directory ($OUT on the device machine)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: verify every code path locally")
     parser.add_argument("--budget-s", type=float, default=380.0, help="hard wall-clock budget of the whole run")
-    parser.add_argument("--sections", help="comma list of sections or groups to run (e.g. checks,bench:train); "
-                        "default all")
+    parser.add_argument("--sections", help="comma list of sections or groups to run, in that order "
+                        "(e.g. checks,bench:train); default all, in the order of SECTIONS")
     parser.add_argument("--triton-cache", type=Path,
                         help="folder holding the triton-cache.tar.xz.NN parts an earlier run left in its --out")
     parser.add_argument("--report", type=Path, help="re-render DIR/summary.md from DIR/records.jsonl")
