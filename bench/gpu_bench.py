@@ -49,7 +49,7 @@ from bench.gpu_checks import per_expert_loop  # noqa: E402
 from k3.config import K3Config, load_config  # noqa: E402
 from k3.model.cache import K3Cache, KDAState, MLAState  # noqa: E402
 from k3.model.decode_graph import CUDAGraphDecoder  # noqa: E402
-from k3.model.experts import RoutedExperts, _grouped_mm_available  # noqa: E402
+from k3.model.experts import RoutedExperts, grouped_mm_available  # noqa: E402
 from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
 from k3.model.params import count_parameters  # noqa: E402
@@ -524,7 +524,7 @@ def bench_moe(device: torch.device, smoke: bool, known: dict, record: Record, de
             def fn():
                 with torch.no_grad():
                     bank(x, weights, idx)
-        chosen = "grouped_mm" if _grouped_mm_available(x) else "per-expert loop"
+        chosen = "grouped_mm" if grouped_mm_available(x) else "per-expert loop"
         for label, forced in ((f"dispatch: {chosen}", False), ("forced per-expert loop", True)):
             name = f"experts {'fwd+bwd' if backward else 'fwd'} N{tokens} k{k} E{cfg.num_experts} [{label}]"
             if not forced and backward and chosen == "grouped_mm" and not known.get("grouped_mm_ok", True):

@@ -4,7 +4,9 @@ A k3-1b decode step launches hundreds of small kernels; at batch 1 the host's la
 the GPU, sets the pace. Replaying a captured graph launches them all at once. What makes the step
 capturable: every decode-time write is in place (KDA states through `update_state_in_place`, MLA
 rows into a buffer sized up front, `K3Cache.empty(capacity=...)`), and nothing in it reads a value
-back to the host (expert counts by scatter-add, batched MLA attention masked by device lengths).
+back to the host (expert counts by scatter-add, batched MLA attention masked by device lengths,
+routed experts through torch._grouped_mm: bf16 on sm90+; the per-expert loop elsewhere reads its
+counts on the host, so such models are refused).
 
 Host bookkeeping is not replayed, so `step` does it: `cache.lengths` advances by one per replay.
 The warm-up runs real steps and the capture advances the host lengths; the cache is restored to
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from k3.model.cache import K3Cache, KDAState, MLAState
+from k3.model.experts import RoutedExperts, grouped_mm_available
 
 
 class CUDAGraphDecoder:
@@ -24,6 +27,10 @@ class CUDAGraphDecoder:
             raise ValueError(f"CUDAGraphDecoder needs a CUDA model, got device {device}")
         if model.training:  # training mode records router statistics on the host at every forward
             raise ValueError("CUDAGraphDecoder needs a model in eval mode")
+        if not capturable_experts(model):
+            raise ValueError("CUDAGraphDecoder: this model's routed experts run the per-expert loop, which reads "
+                             "expert counts back to the host and cannot be captured; torch._grouped_mm (bf16 "
+                             "weights on sm90+) can")
         self.model, self.cache = model, cache
         self.capacity = min((s.capacity for s in cache.layers if isinstance(s, MLAState)), default=None)
         self._check_room()
@@ -55,6 +62,11 @@ class CUDAGraphDecoder:
         self.graph.replay()
         self.cache.lengths += 1
         return self.logits
+
+
+def capturable_experts(model: torch.nn.Module) -> bool:
+    """Whether every routed-expert bank would take the sync-free grouped GEMM on its device."""
+    return all(grouped_mm_available(m.w1[:0]) for m in model.modules() if isinstance(m, RoutedExperts))
 
 
 def _snapshot(cache: K3Cache) -> list:

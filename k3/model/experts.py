@@ -19,7 +19,7 @@ from k3.config import K3Config
 from k3.model.situ import glu_activation
 
 
-def _grouped_mm_available(x: torch.Tensor) -> bool:
+def grouped_mm_available(x: torch.Tensor) -> bool:
     # torch._grouped_mm: bf16 on sm90+ (the H200); everything else takes the per-expert loop
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
@@ -60,7 +60,7 @@ class RoutedExperts(nn.Module):
         """x [M, H] sorted by expert, counts [E] rows per expert -> [M, H]."""
         w1, w3, w2 = self.weights()
         x = self.inputs(x)
-        if _grouped_mm_available(x):
+        if grouped_mm_available(x):
             # _grouped_mm is not autocast-aware (pytorch#174763): match the activations' dtype
             w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
             offs = counts.cumsum(0).to(torch.int32)
