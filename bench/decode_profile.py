@@ -15,9 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gpu_bench import all_mla, random_cache  # noqa: E402
+from bench.gpu_bench import all_mla, decode_step, random_cache  # noqa: E402
 from k3.config import load_config  # noqa: E402
-from k3.model.decode_graph import CUDAGraphDecoder  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
 
 
@@ -38,7 +37,7 @@ def main() -> None:
     for mode in ("eager", "graph"):
         cache = random_cache(cfg, args.batch, args.context, device, torch.bfloat16,
                              capacity=args.context + 4 * args.steps)
-        step = CUDAGraphDecoder(model, cache).step if mode == "graph" else (lambda t: model(t, cache=cache)[:, -1])
+        step = decode_step(model, cache, graphed=mode == "graph")
         for _ in range(2):
             tokens.copy_(step(tokens).argmax(-1, keepdim=True))
         torch.cuda.synchronize()

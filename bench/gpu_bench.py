@@ -17,7 +17,8 @@
           dims, K3 gate: safe_gate, lower bound -5), the bare KDA op (k3 -> fla chunk_kda, and
           chunk_kda with safe_gate=True), k3's gated MLA layer, and causal SDPA with the same
           heads (d=128): ms, achieved TFLOP/s and ratios.
-- decode: tokens/s of k3-1b (bf16, absorbed MLA) at batch 1, 8, 64 and context 1K..128K, the cache
+- decode: tokens/s of k3-1b (bf16, absorbed MLA; CUDA-graph replay, eager at batch 1, then with
+          compiled regions) at batch 1, 8, 64 and context 1K..128K, the cache
           built directly with random states and latents of the right size, against the bandwidth
           bound (bytes a step must read: weights incl. the expected distinct routed experts, KDA
           states read + written, MLA latents read; / measured copy bandwidth), and an all-MLA
@@ -487,13 +488,19 @@ def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record,
             return
 
 
+def decode_step(model: K3ForCausalLM, cache: K3Cache, graphed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """tokens [N, 1] -> next-token logits [N, V], continuing `cache`: replayed from a CUDA graph,
+    or the model's eager forward."""
+    return CUDAGraphDecoder(model, cache).step if graphed else (lambda t: model(t, cache=cache)[:, -1])
+
+
 @torch.no_grad()
 def _decode_ms(model: K3ForCausalLM, batch: int, context: int, device, dtype, smoke: bool, graphed: bool) -> float:
     """Milliseconds per greedy decode step (one token per sequence, no host sync), timed over
     DECODE_STEPS_PER_CALL consecutive steps, with or without CUDA-graph replay."""
     cache = random_cache(model.config, batch, context, device, dtype, capacity=context + DECODE_STEPS_PER_CALL)
     tokens = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
-    step = CUDAGraphDecoder(model, cache).step if graphed else (lambda t: model(t, cache=cache)[:, -1])
+    step = decode_step(model, cache, graphed)
     mla = [s for s in cache.layers if isinstance(s, MLAState)]
 
     def steps() -> None:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3.model.checkpoint import load_pretrained  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
+from tests.conftest import rel_err  # noqa: E402
 
 # Kimi-Linear configs: "tiny" is about k3-tiny (8 layers, MLA at 4 and 8); "gpu" is k3-1b-like
 # (12 layers of width 1024, 8 KDA heads of 128, MLA at 4, 8, 12 with the official 512/64 latent
@@ -144,8 +145,7 @@ def compare_prefill(hf, ours, ids: torch.Tensor) -> tuple[float, float]:
     rounding-level difference can flip a near-tie: the error tells whether the models agree."""
     ref = hf(ids).logits.float()
     out = ours(ids).float()
-    rel = ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-    return rel, (ref[:, -1].argmax(-1) == out[:, -1].argmax(-1)).float().mean().item()
+    return rel_err(ref, out), (ref[:, -1].argmax(-1) == out[:, -1].argmax(-1)).float().mean().item()
 
 
 def main() -> None:

@@ -59,13 +59,13 @@ def kda(
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)
     if impl == "fla":
-        return fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
-                                   update_state_in_place=update_state_in_place)
-    if impl == "recurrent":
+        o, final_state = fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
+                                             update_state_in_place=update_state_in_place)
+    elif impl == "recurrent":
         o, final_state = kda_recurrent(q, k, v, g, beta, **common)
     else:
         o, final_state = kda_chunk(q, k, v, g, beta, **common, chunk_size=chunk_size)
-    if update_state_in_place:
+    if update_state_in_place and final_state is not initial_state:  # fla's decode kernel wrote it already
         final_state = initial_state.copy_(final_state)
     return o, final_state
 

@@ -15,7 +15,8 @@ fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
 - decode (every sequence one token long, no gradient needed) uses fla's recurrent kernel, which is
   forward-only; everything else uses `chunk_kda`, which has autograd. With update_state_in_place
   the decode kernel reads and writes the caller's state tensor (`fused_recurrent_kda_fwd` with
-  `inplace_final_state=True`: the public `fused_recurrent_kda` always allocates a new one).
+  `inplace_final_state=True`: the public `fused_recurrent_kda` always allocates a new one); on the
+  other paths k3.ops.kda copies the new state in, as it does for every backend.
 """
 from __future__ import annotations
 
@@ -66,7 +67,6 @@ def kda_fla(
     # fla's kernels take one activation dtype for q/k/v/beta; g and the state stay fp32.
     dtype = v.dtype
     q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.float()
-    target = initial_state if update_state_in_place else None
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     needs_grad = torch.is_grad_enabled() and any(
@@ -74,12 +74,12 @@ def kda_fla(
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)
     decode = longest_sequence(q.shape[1], cu_seqlens) == 1 and not needs_grad
-    if decode and target is not None:
+    if decode and update_state_in_place:
+        # writes into initial_state (the caller's, as k3.ops.kda checked it is contiguous fp32);
         # the raw kernel entry skips fla's input_guard: hand it contiguous tensors
         o, state = fused_recurrent_kda_fwd(*(t.contiguous() for t in (q, k, v, g, beta)), **common,
                                            inplace_final_state=True)
-        return o, state
-    if decode:
+    elif decode:
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
         # Everything arrives activated (gate, L2 norm, beta) and the state key-first [N, H, K, V];
@@ -87,6 +87,4 @@ def kda_fla(
         o, state = chunk_kda(q, k, v, g, beta, **common, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                              use_beta_sigmoid_in_kernel=False, safe_gate=False, state_v_first=False,
                              chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
-    if target is not None:
-        state = target.copy_(state)
     return o, state if output_final_state else None
