@@ -5,13 +5,15 @@
 Every comparison is `rel = RMSE(ref - out) / RMSE(ref)` (tests/conftest.py) on fresh random inputs
 (never zeros), against a bound chosen from the precision of the fast path (METHOD.md: fp32
 far under 1e-3, tf32 near 3e-4, bf16 operands 1e-3..1e-2). Each check prints name, rel, bound
-and PASS / FAIL; "PASS(tf32)" means over the strict fp32 bound but within the tf32 one: Triton's
-fp32 `tl.dot` defaults to tf32, so fla's kernels on fp32 inputs round operands to 10 mantissa bits.
+and PASS / FAIL. fp32 models never reach fla's KDA kernels (k3.ops.kda sends fp32 to the torch
+paths: Triton's fp32 `tl.dot` rounds operands to tf32), so every fp32 comparison is held to 1e-4.
 
 Groups (each runs in its own process under bench/gpu_run.py, so a device-side assert in one
 cannot take the others down):
 - kda:    the KDA op, fla vs k3's torch chunk reference: bf16 inputs, packed (cu_seqlens) with
-          initial states, prefix invariance (fla issue #1240), fp32; fla's safe_gate fast path.
+          initial states, prefix invariance (fla issue #1240); fp32 through "auto" (the torch chunk
+          path on CUDA) vs the recurrent reference; the causal short conv, fla vs torch, packed
+          with tails; fla's safe_gate fast path.
 - layers: KimiDeltaAttention on CUDA vs the same layer on CPU fp32; gated MLA bf16 naive and
           absorbed with a cache vs fp32; a whole k3-tiny-shaped model, bf16 CUDA logits vs fp32
           CPU, and decode = prefill on CUDA.
@@ -45,6 +47,7 @@ from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
 from k3.model.moe import StableLatentMoE  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
+from k3.ops.conv import causal_conv1d  # noqa: E402
 from k3.ops.kda import fla_backend, kda  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 from tests.test_kda_ops import make_inputs  # noqa: E402
@@ -53,7 +56,7 @@ Record = Callable[[dict], None]
 
 # Bounds (see the module docstring). Gradients pass through the recomputed forward and the backward,
 # about twice the roundings of the outputs, so their bf16 bound is twice the forward one.
-FP32, TF32, TF32_GRAD = 1e-4, 2e-3, 5e-3
+FP32 = 1e-4
 BF16, BF16_GRAD = 1e-2, 2e-2
 BF16_LAYER = 2e-2  # a whole layer under bf16 autocast: every projection rounds (~4e-3 each), in series;
 # the KDA layer check raises it to twice what the CPU torch path itself loses under the same autocast
@@ -112,8 +115,7 @@ class Checker:
         self.fast = "fla" if self.fla else "recurrent"  # the path under test; recurrent stands in on CPU
         self.config = gpu_config(smoke)
 
-    def compare(self, name: str, ref: torch.Tensor, out: torch.Tensor, bound: float,
-                tf32_bound: float | None = None, note: str = "") -> None:
+    def compare(self, name: str, ref: torch.Tensor, out: torch.Tensor, bound: float, note: str = "") -> None:
         ref, out = ref.detach().float().cpu(), out.detach().float().cpu()
         if ref.shape != out.shape:
             self._emit(name, math.inf, bound, "FAIL", f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
@@ -121,17 +123,14 @@ class Checker:
             self._emit(name, math.inf, bound, "FAIL", "non-finite values in output")
         else:
             err = rel_err(ref, out)
-            status = ("PASS" if err <= bound else
-                      "PASS(tf32)" if tf32_bound is not None and err <= tf32_bound else "FAIL")
-            self._emit(name, err, bound, status, note, tf32_bound)
+            self._emit(name, err, bound, "PASS" if err <= bound else "FAIL", note)
 
     def scalar(self, name: str, value: float, bound: float, note: str = "") -> None:
         """A measured error that is not a tensor comparison (e.g. a ratio that must be 0)."""
         self._emit(name, value, bound, "PASS" if value <= bound else "FAIL", note)
 
-    def _emit(self, name: str, err: float, bound: float, status: str, note: str, tf32_bound: float | None = None):
-        self.record({"kind": "check", "name": name, "rel": err, "bound": bound, "tf32_bound": tf32_bound,
-                     "status": status, "note": note})
+    def _emit(self, name: str, err: float, bound: float, status: str, note: str):
+        self.record({"kind": "check", "name": name, "rel": err, "bound": bound, "status": status, "note": note})
         print(f"{name:<64} rel {err:9.2e}  bound {bound:7.0e}  {status}{'  ' + note if note else ''}", flush=True)
 
     def skip(self, name: str, why: str) -> None:
@@ -168,9 +167,11 @@ def _kda_grads(impl: str, leaves: list[torch.Tensor], do, ds, cu=None):
 
 
 def kda_vs_reference(c: Checker, dtype: torch.dtype, lengths: list[int] | None = None) -> None:
-    """fla (dtype inputs; g and the state stay fp32 as the layer passes them) vs the fp32 chunk
-    reference on the SAME values upcast, so the error measures the kernel, not input rounding.
-    Outputs, final states and the gradients of q, k, v, g, beta and the initial state."""
+    """The path "auto" takes for `dtype` (bf16: fla; fp32: the torch chunk path on CUDA) vs an fp32
+    reference on the SAME values upcast, so the error measures the kernel, not input rounding: the
+    chunk path for bf16, the token-by-token recurrence for fp32 (a different algorithm than the
+    chunk path under test). g and the state stay fp32, as the layer passes them. Outputs, final
+    states and the gradients of q, k, v, g, beta and the initial state."""
     H, K = c.config.kda_num_heads, c.config.kda_head_dim
     if lengths is None:
         B, T, N, cu = (1, 40, 1, None) if c.smoke else (2, 1000, 2, None)
@@ -182,17 +183,17 @@ def kda_vs_reference(c: Checker, dtype: torch.dtype, lengths: list[int] | None =
     fast_leaves = [t.detach().clone().requires_grad_() for t in fast_in]
     ref_leaves = [t.detach().float().clone().requires_grad_() for t in fast_in]
     do, ds = c.randn(B, T, H, K), c.randn(N, H, K, K)
-    o_ref, s_ref, g_ref = _kda_grads("chunk", ref_leaves, do, ds, cu)
-    o, s, g_out = _kda_grads(c.fast, fast_leaves, do, ds, cu)
     fp32 = dtype == torch.float32
-    fwd, fwd_tf32 = (FP32, TF32) if fp32 else (BF16, None)
-    bwd, bwd_tf32 = (FP32, TF32_GRAD) if fp32 else (BF16_GRAD, None)
+    impl, ref_impl = ("auto", "recurrent") if fp32 else (c.fast, "chunk")
+    o_ref, s_ref, g_ref = _kda_grads(ref_impl, ref_leaves, do, ds, cu)
+    o, s, g_out = _kda_grads(impl, fast_leaves, do, ds, cu)
+    fwd, bwd = (FP32, FP32) if fp32 else (BF16, BF16_GRAD)
     shape = f"B{B} T{T}" if cu is None else f"packed {lengths}"
-    name = f"kda[{c.fast}] {str(dtype).removeprefix('torch.')} {shape}"
-    c.compare(f"{name} o", o_ref, o, fwd, fwd_tf32)
-    c.compare(f"{name} final state", s_ref, s, fwd, fwd_tf32)
+    name = f"kda[{impl}] {str(dtype).removeprefix('torch.')} {shape} vs {ref_impl}"
+    c.compare(f"{name} o", o_ref, o, fwd)
+    c.compare(f"{name} final state", s_ref, s, fwd)
     for grad_name, r, out in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_ref, g_out):
-        c.compare(f"{name} {grad_name}", r, out, bwd, bwd_tf32)
+        c.compare(f"{name} {grad_name}", r, out, bwd)
 
 
 def _prefix_inputs(c: Checker, T: int, i: int, dtype: torch.dtype):
@@ -255,6 +256,28 @@ def fla_safe_gate_accuracy(c: Checker) -> None:
         c.compare("fla chunk_kda safe_gate=True bf16 B2 T1000 o", ref, fla_safe_gate_op(*low), BF16)
 
 
+def conv_vs_reference(c: Checker, dtype: torch.dtype) -> None:
+    """The causal short conv "auto" runs (fla's on CUDA) in `dtype` vs the torch reference in fp32 on
+    the same values upcast: packed sequences (one shorter than the kernel) with initial tails, SiLU
+    fused; outputs, final tails and the gradients of x, the weight and the initial tails."""
+    lengths = [1, 5, 20] if c.smoke else [1, 3, 700, 64, 4000]
+    C, W = 3 * c.config.kda_num_heads * c.config.kda_head_dim, c.config.short_conv_kernel_size
+    cu = torch.tensor([0, *lengths], device=c.device).cumsum(0)
+    inputs = [c.randn(1, sum(lengths), C).to(dtype), (c.randn(C, W) / W).to(dtype),
+              c.randn(len(lengths), C, W - 1).to(dtype)]
+    dy, dtail = c.randn(1, sum(lengths), C), c.randn(len(lengths), C, W - 1)
+    runs = []
+    for impl, run_dtype in (("torch", torch.float32), ("auto", dtype)):
+        leaves = [t.detach().to(run_dtype).requires_grad_() for t in inputs]
+        y, tails = causal_conv1d(leaves[0], leaves[1], initial_state=leaves[2], cu_seqlens=cu,
+                                 output_final_state=True, activation="silu", impl=impl)
+        runs.append((y, tails, *torch.autograd.grad((y.float() * dy).sum() + (tails.float() * dtail).sum(), leaves)))
+    fp32 = dtype == torch.float32
+    name = f"causal conv[auto] {str(dtype).removeprefix('torch.')} packed {lengths} vs torch fp32"
+    for part, ref, out in zip(("y", "final tails", "dx", "dweight", "dtails"), *runs):
+        c.compare(f"{name} {part}", ref, out, FP32 if fp32 else (BF16 if part in ("y", "final tails") else BF16_GRAD))
+
+
 def checks_kda(c: Checker) -> None:
     lengths = [1, 5, 20] if c.smoke else [1, 63, 64, 200, 672]  # awkward: 1, odd, one chunk, partial
     c.run("kda bf16", lambda: kda_vs_reference(c, torch.bfloat16), 40)
@@ -262,6 +285,8 @@ def checks_kda(c: Checker) -> None:
                                                              torch.bfloat16), 20)
     c.run("kda packed bf16", lambda: kda_vs_reference(c, torch.bfloat16, lengths), 40)
     c.run("kda fp32", lambda: kda_vs_reference(c, torch.float32), 40)
+    c.run("causal conv bf16", lambda: conv_vs_reference(c, torch.bfloat16), 15)
+    c.run("causal conv fp32", lambda: conv_vs_reference(c, torch.float32), 15)
     if not c.fla:
         c.skip("fla chunk_kda safe_gate=True", "needs CUDA and fla")
         return
@@ -284,17 +309,17 @@ def _layer_pass(layer: KimiDeltaAttention, x: torch.Tensor, state: KDAState, dy,
     return y, state, grads[0], dict(zip(names, grads[1:]))
 
 
-def _worst_param(c: Checker, name: str, ref: dict, out: dict, bound: float, tf32_bound: float | None,
-                 extra: str = "") -> None:
+def _worst_param(c: Checker, name: str, ref: dict, out: dict, bound: float, extra: str = "") -> None:
     errs = {n: rel_err(ref[n].float().cpu(), out[n].float().cpu()) for n in ref}
     worst = max(errs, key=errs.get)
-    c.compare(f"{name} (worst: {worst})", ref[worst], out[worst], bound, tf32_bound,
+    c.compare(f"{name} (worst: {worst})", ref[worst], out[worst], bound,
               note=f"{len(errs)} parameter gradients" + (f"; {extra}" if extra else ""))
 
 
 def check_kda_layer(c: Checker) -> None:
-    """KimiDeltaAttention on the device (auto: fla on CUDA) vs the same weights on CPU fp32 (chunk),
-    continuing a random decode state: outputs, new recurrent state, conv tails, all gradients."""
+    """KimiDeltaAttention on the device ("auto": fla's conv, and fla's KDA for bf16 / the torch chunk
+    path for fp32, on CUDA) vs the same weights on CPU fp32 (torch), continuing a random decode
+    state: outputs, new recurrent state, conv tails, all gradients."""
     cfg = c.config.replace(kda_impl="auto")
     layer = randomize_(KimiDeltaAttention(cfg, layer_idx=0))
     B, T = (1, 20) if c.smoke else (2, 300)
@@ -316,21 +341,20 @@ def check_kda_layer(c: Checker) -> None:
     ref = (y_ref, s_ref.recurrent, s_ref.conv, dx_ref)
     floor = [rel_err(r, o) for r, o in zip(ref, (cpu_bf16[0], cpu_bf16[1].recurrent, cpu_bf16[1].conv, cpu_bf16[2]))]
     floor_params = max(rel_err(dp_ref[n], cpu_bf16[3][n]) for n in dp_ref)
-    impl = "fla" if c.fla else "chunk"
     for label, autocast in (("fp32", False), ("bf16 autocast", True)):
         y, s, dx, dp = _layer_pass(*on(c.device), autocast=autocast)
-        name = f"KDA layer {c.device.type}[{impl}] {label} vs cpu fp32"
+        name = f"KDA layer {c.device.type}[auto] {label} vs cpu fp32"
         outs = (y, s.recurrent, s.conv, dx)
         for part, r, o, e in zip(("y", "state", "conv tails", "dx"), ref, outs, floor):
             if autocast:
                 c.compare(f"{name} {part}", r, o, max(BF16_LAYER, 2 * e), note=f"cpu bf16 autocast: {e:.1e}")
             else:
-                c.compare(f"{name} {part}", r, o, FP32, TF32 if part != "dx" else TF32_GRAD)
+                c.compare(f"{name} {part}", r, o, FP32)
         if autocast:
-            _worst_param(c, f"{name} dparams", dp_ref, dp, max(BF16_LAYER, 2 * floor_params), None,
+            _worst_param(c, f"{name} dparams", dp_ref, dp, max(BF16_LAYER, 2 * floor_params),
                          extra=f"cpu bf16 autocast worst: {floor_params:.1e}")
         else:
-            _worst_param(c, f"{name} dparams", dp_ref, dp, FP32, TF32_GRAD)
+            _worst_param(c, f"{name} dparams", dp_ref, dp, FP32)
 
 
 def check_mla(c: Checker) -> None:
@@ -380,11 +404,11 @@ def check_model_logits(c: Checker) -> None:
     ids = torch.randint(0, model.config.vocab_size, (B, T))
     with torch.no_grad():
         ref = model(ids)
-        for dtype, bound, tf32 in ((torch.bfloat16, BF16_MODEL, None), (torch.float32, FP32, TF32)):
+        for dtype, bound in ((torch.bfloat16, BF16_MODEL), (torch.float32, FP32)):
             out = copy.deepcopy(model).to(c.device, dtype)(ids.to(c.device))
             agree = (out.argmax(-1).cpu() == ref.argmax(-1)).float().mean().item()
             c.compare(f"model {c.device.type} {str(dtype).removeprefix('torch.')} logits vs cpu fp32", ref, out,
-                      bound, tf32, note=f"argmax agreement {agree:.1%}")
+                      bound, note=f"argmax agreement {agree:.1%}")
 
 
 def check_model_decode(c: Checker) -> None:
@@ -393,7 +417,7 @@ def check_model_decode(c: Checker) -> None:
     model = _model(c.smoke).eval()
     B, T, steps = (1, 12, 4) if c.smoke else (2, 200, 4)
     ids = torch.randint(0, model.config.vocab_size, (B, T), device=c.device)
-    for dtype, bound, tf32 in ((torch.bfloat16, BF16_MODEL, None), (torch.float32, FP32, TF32)):
+    for dtype, bound in ((torch.bfloat16, BF16_MODEL), (torch.float32, FP32)):
         m = copy.deepcopy(model).to(c.device, dtype)
         with torch.no_grad():
             full = m(ids)[:, -steps:]
@@ -401,7 +425,7 @@ def check_model_decode(c: Checker) -> None:
             m(ids[:, :-steps], cache=cache)
             stepped = torch.cat([m(ids[:, T - steps + t:T - steps + t + 1], cache=cache) for t in range(steps)], 1)
         c.compare(f"model {c.device.type} {str(dtype).removeprefix('torch.')} decode = prefill (last {steps} logits)",
-                  full, stepped, bound, tf32)
+                  full, stepped, bound)
         graph_name = f"model cuda {str(dtype).removeprefix('torch.')} CUDA-graph decode = prefill (last {steps} logits)"
         if c.device.type == "cuda" and not capturable_experts(m):
             c.skip(graph_name, "routed experts run the per-expert loop here (host-side counts; grouped_mm needs bf16 on sm90): not capturable")
@@ -411,7 +435,7 @@ def check_model_decode(c: Checker) -> None:
                 m(ids[:, :-steps], cache=cache)
                 decoder = CUDAGraphDecoder(m, cache)
                 graphed = torch.stack([decoder.step(ids[:, T - steps + t]).clone() for t in range(steps)], 1)
-            c.compare(graph_name, full, graphed, bound, tf32)
+            c.compare(graph_name, full, graphed, bound)
 
 
 def checks_layers(c: Checker) -> None:

@@ -4,6 +4,7 @@ Traced with the "eager" backend (dynamo only): it checks that the graphs capture
 seconds; inductor's code generation is exercised on the GPU (bench/gpu_bench.py, train).
 """
 import copy
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -53,3 +54,19 @@ def test_compiled_regions_decode_in_place():
             m(ids[:, :8], cache=cache)
             outs.append(torch.cat([m(ids[:, t:t + 1], cache=cache) for t in range(8, 12)], 1))
     assert_rel_close("decode logits", outs[0], outs[1], 1e-5)
+
+
+def test_compiled_attn_res_reads_never_fall_back_to_eager(caplog):
+    """The shared compiled read is traced once per source count and grad mode; the recompile limit
+    must cover them all, or later reads silently run eager."""
+    torch._dynamo.reset()
+    model = K3ForCausalLM(load_config("k3-tiny").replace(attn_res_block_size=1)).train()  # 8 blocks, as K3
+    compile_regions(model, backend="eager")
+    assert model.model.attn_res_read is model.model.layers[0].attn_res_read
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        model(ids).sum().backward()
+        with torch.no_grad():
+            model(ids)
+    hits = [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+    assert not [m for m in hits if "attn_res_read" in m], hits

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from k3.model.kda import KimiDeltaAttention
+from k3.ops.conv import causal_conv1d
 from k3.ops.kda import fla_backend, kda
 from tests.conftest import assert_rel_close
 from tests.test_kda_layer import make_layer, random_state, clone_state
@@ -83,3 +84,35 @@ def test_fla_prefix_invariance():
     x2[:, i:] += 3 * torch.randn_like(x2[:, i:])
     with torch.no_grad():
         assert_rel_close("outputs before i", layer(x)[:, :i], layer(x2)[:, :i], 1e-6)
+
+
+def test_auto_keeps_fp32_on_torch_paths():
+    """fla for half precision only: fp32 on CUDA runs the torch chunk path (IEEE matmuls)."""
+    q, k, v, g, beta, h0 = cuda(*make_inputs(1, 40, 2, 64, 64, "lb"))
+    assert torch.equal(kda(q, k, v, g, beta, initial_state=h0)[0],
+                       kda(q, k, v, g, beta, initial_state=h0, impl="chunk")[0])
+    vb = v.bfloat16()
+    assert torch.equal(kda(q, k, vb, g, beta, initial_state=h0)[0],
+                       kda(q, k, vb, g, beta, initial_state=h0, impl="fla")[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_conv_matches_torch_conv_packed_with_tails(dtype):
+    """fla's causal conv (SiLU fused) vs the torch reference in fp32: outputs, final tails and the
+    gradients of x, the weight and the initial tails, through outputs and tails."""
+    lengths, C, W = [1, 3, 70, 64], 96, 4
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    x = torch.randn(1, sum(lengths), C, device="cuda")
+    weight, h0 = torch.randn(C, W, device="cuda") / 2, torch.randn(len(lengths), C, W - 1, device="cuda")
+    dy, dtail = torch.randn_like(x), torch.randn_like(h0)
+    results = {}
+    for impl in ("torch", "fla"):
+        leaves = [t.detach().clone().to(dtype if impl == "fla" else torch.float32).requires_grad_()
+                  for t in (x, weight, h0)]
+        y, tails = causal_conv1d(*leaves[:2], initial_state=leaves[2], cu_seqlens=cu, output_final_state=True,
+                                 activation="silu", impl=impl)
+        grads = torch.autograd.grad((y.float() * dy).sum() + (tails.float() * dtail).sum(), leaves)
+        results[impl] = (y, tails, *grads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, ref, out in zip(("y", "tails", "dx", "dweight", "dh0"), results["torch"], results["fla"]):
+        assert_rel_close(name, ref.float(), out.float(), tol)

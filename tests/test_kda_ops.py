@@ -182,6 +182,8 @@ def test_conv_matches_conv1d_and_tails(B, T, C, W):
     assert_rel_close("y", conv_oracle(x, weight), y, 1e-6)
     padded = torch.cat([torch.zeros(B, W - 1, C), x], dim=1)  # tails are the last W-1 inputs, zero-filled
     assert torch.equal(tail, padded[:, padded.shape[1] - (W - 1):].transpose(1, 2))
+    y_silu, _ = causal_conv1d(x, weight, activation="silu")
+    assert_rel_close("silu(y)", F.silu(conv_oracle(x, weight)), y_silu, 1e-6)
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 10], ids=lambda s: f"split{s}")
@@ -222,4 +224,10 @@ def test_conv_errors():
         causal_conv1d(x, weight, initial_state=torch.randn(1, 8, 4))
     with pytest.raises(ValueError, match="non-decreasing"):
         causal_conv1d(x, weight, cu_seqlens=torch.tensor([0, 4, 2, 5]))
+    with pytest.raises(ValueError, match="impl"):
+        causal_conv1d(x, weight, impl="cudnn")
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d(x, weight, activation="gelu")
+    with pytest.raises((ValueError, RuntimeError), match="fla"):
+        causal_conv1d(x, weight, impl="fla")  # CUDA only
 

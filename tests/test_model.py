@@ -2,7 +2,6 @@
 MLA absorbed = naive, Block AttnRes at init, parameter accounting."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -155,20 +154,6 @@ def test_without_attn_res_block_size_is_plain_residual():
         h = h + layer.ffn(h)
     ref = model.lm_head(model.model.norm(h)).float()
     assert_rel_close("plain residual", ref, model(ids), 1e-6)
-
-
-def test_tiny_preset_forward_backward_under_a_second():
-    torch.manual_seed(0)
-    model = K3ForCausalLM(load_config("k3-tiny"))
-    ids = torch.randint(0, model.config.vocab_size, (2, 64))
-    model(ids).logsumexp(-1).mean().backward()  # warm-up
-    times = []
-    for _ in range(3):  # best of three: a busy machine should not fail a correct model
-        start = time.perf_counter()
-        logits = model(ids)
-        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-        times.append(time.perf_counter() - start)
-    assert min(times) < 1.0, times
 
 
 def test_official_parameter_counts_match_report():

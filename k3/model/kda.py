@@ -72,6 +72,9 @@ class KimiDeltaAttention(KeepsFP32):
             self.g_b_proj = nn.Linear(K, C, bias=False)
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(C, D, bias=False)
+        # The short conv follows the KDA op's choice: fla's kernels together, or the torch paths
+        # together (a forced torch KDA path is a reference run; its conv should be one too).
+        self._conv_impl = {"auto": "auto", "fla": "fla"}.get(config.kda_impl, "torch")
         self.reset_parameters()
 
     @torch.no_grad()
@@ -115,8 +118,9 @@ class KimiDeltaAttention(KeepsFP32):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3C]
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         qkv, tails = causal_conv1d(qkv, conv_weight, initial_state=None if state is None else state.conv,
-                                   cu_seqlens=cu_seqlens, output_final_state=state is not None)
-        q, k, v = F.silu(qkv).unflatten(-1, (3, H, K)).unbind(dim=2)  # each [B, T, H, K]
+                                   cu_seqlens=cu_seqlens, output_final_state=state is not None,
+                                   activation="silu", impl=self._conv_impl)
+        q, k, v = qkv.unflatten(-1, (3, H, K)).unbind(dim=2)  # each [B, T, H, K]
         q, k = l2_normalize(q.float(), eps=1e-6), l2_normalize(k.float(), eps=1e-6)
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.forget_gate(x)

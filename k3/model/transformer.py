@@ -40,6 +40,7 @@ class K3DecoderLayer(nn.Module):
         if config.attn_res_block_size is not None:
             self.self_attention_res_proj, self.self_attention_res_norm = new_attn_res_pair(D, eps)
             self.mlp_res_proj, self.mlp_res_norm = new_attn_res_pair(D, eps)
+            self.attn_res_read = attn_res_read  # k3.train.compile swaps in a compiled read
 
     def mixer(self, h: torch.Tensor, cu_seqlens, state) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=state)
@@ -57,15 +58,15 @@ class K3DecoderLayer(nn.Module):
             h = h + self.mixer(h, cu_seqlens, state)
             return h + self.ffn(h)
         prefix = h
-        h = prefix if not blocks else attn_res_read(prefix, blocks, self.self_attention_res_proj,
-                                                     self.self_attention_res_norm)
+        h = prefix if not blocks else self.attn_res_read(prefix, blocks, self.self_attention_res_proj,
+                                                          self.self_attention_res_norm)
         a = self.mixer(h, cu_seqlens, state)
         if self.layer_idx % self.config.attn_res_block_size == 0:  # this layer opens a new block
             blocks.append(BlockSource(prefix, self.config.rms_norm_eps))
             prefix = a
         else:
             prefix = prefix + a
-        h = attn_res_read(prefix, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        h = self.attn_res_read(prefix, blocks, self.mlp_res_proj, self.mlp_res_norm)
         return prefix + self.ffn(h)
 
 
@@ -79,6 +80,7 @@ class K3Model(nn.Module):
         if config.attn_res_block_size is not None:
             self.output_attn_res_proj, self.output_attn_res_norm = new_attn_res_pair(config.hidden_size,
                                                                                      config.rms_norm_eps)
+            self.attn_res_read = attn_res_read
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens=None, cache: K3Cache | None = None) -> torch.Tensor:
         """[B, T] -> final hidden states [B, T, D] (after the last norm)."""
@@ -88,7 +90,7 @@ class K3Model(nn.Module):
         for layer, state in zip(self.layers, states):
             h = layer(h, blocks, cu_seqlens, state)
         if blocks is not None:
-            h = attn_res_read(h, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
+            h = self.attn_res_read(h, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(h)
 
 

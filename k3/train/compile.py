@@ -1,4 +1,5 @@
-"""Regional torch.compile for training: each layer's token mixer and FFN compiled on its own.
+"""Regional torch.compile: each layer's token mixer and FFN compiled on its own, and the Block
+AttnRes reads (SPEC §5) through one compiled function.
 
 Why these regions and not whole decoder layers: a decoder layer's Block AttnRes bookkeeping
 depends on its index (whether it opens a block, how many finished blocks it reads), so whole-layer
@@ -8,20 +9,38 @@ so each kind is traced once (parameters are graph inputs, not constants) and the
 they fuse are the memory-bound pieces between the matmuls (norms, gates, activations, routing).
 fla's Triton KDA kernels are opaque to the compiler (fla wraps them in `torch.compiler.disable`):
 the KDA mixer compiles as the graph before and the graph after the kernel.
+
+The AttnRes reads are the other memory-bound part: in eager each read is a matrix-vector product
+per source plus a multiply-add per source, all fp32 (2 reads per layer over up to 9 sources; in a
+k3-1b decode step, 216 GEMVs and their split-K reductions take a fifth of the GPU time,
+docs/BENCHMARKS.md). One function serves every read; it is traced once per number of sources
+and grad mode (the list's length is part of the graph), so the recompile limit must cover them all.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from k3.model.attnres import attn_res_read
 
 from k3.model.transformer import K3ForCausalLM
 
 
 def compile_regions(model: K3ForCausalLM, backend: str = "inductor") -> list[nn.Module]:
-    """Compile every layer's `self_attn` and FFN module in place; returns the compiled modules."""
+    """Compile every layer's `self_attn` and FFN module and the AttnRes reads in place; returns the
+    compiled modules."""
     compiled = []
     for layer in model.model.layers:
         ffn = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
         for module in (layer.self_attn, ffn):
             module.compile(backend=backend)
             compiled.append(module)
+    block_size = model.config.attn_res_block_size
+    if block_size is not None:
+        source_counts = -(-model.config.num_hidden_layers // block_size) + 1  # 1 .. blocks + 1 sources
+        limit = 2 * source_counts  # with and without grad
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        read = torch.compile(attn_res_read, backend=backend)
+        for owner in (*model.model.layers, model.model):
+            owner.attn_res_read = read
     return compiled

@@ -7,8 +7,12 @@ Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same func
 - "recurrent": token-by-token fp32 reference (`reference.py`); the CPU decode path (T == 1).
 - "chunk":     chunkwise parallel plain torch (`chunk.py`); the CPU training/prefill path.
 - "fla":       fla's Triton kernels on CUDA (`fla_backend.py`).
-"auto" picks fla on CUDA when it imports, else recurrent when every sequence is one token long,
-else chunk; it logs each choice once.
+"auto" picks fla for half-precision values (bf16, fp16) on CUDA when it imports, else recurrent
+when every sequence is one token long, else chunk; it logs each choice once. fp32 stays on the torch
+paths on CUDA too: Triton's fp32 `tl.dot` rounds operands to TF32, so fla's kernels on fp32 inputs
+land 5e-4..3e-3 from the fp32 reference (H200, docs/BENCHMARKS.md 2026-12-03), while torch's fp32
+matmuls are IEEE (torch leaves `allow_tf32` off). fp32 is the precision of references and checks;
+speed comes with bf16.
 `update_state_in_place=True` (forward-only decode) writes the final state into `initial_state` and
 returns that same tensor: the state keeps its address, as CUDA-graph replay needs, and the fla
 decode kernel writes it directly instead of allocating and copying.
@@ -53,9 +57,9 @@ def kda(
         raise ValueError("kda: update_state_in_place needs output_final_state=True and a contiguous fp32 "
                          "initial_state to write into")
     if impl == "auto":
-        impl = _auto_impl(q, cu_seqlens)
+        impl = _auto_impl(q, v, cu_seqlens)
         if not torch.compiler.is_compiling():  # logging inside a traced region would break the graph
-            _announce(impl, q.device.type)
+            _announce(impl, q.device.type, v.dtype)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)
     if impl == "fla":
@@ -70,15 +74,19 @@ def kda(
     return o, final_state
 
 
-def _auto_impl(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:
-    if q.is_cuda and fla_backend.is_available():
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _auto_impl(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:
+    # v's dtype is the activation dtype: the layer hands q/k over in fp32 after their L2 norm
+    if q.is_cuda and v.dtype in HALF_DTYPES and fla_backend.is_available():
         return "fla"
     return "recurrent" if longest_sequence(q.shape[1], cu_seqlens) == 1 else "chunk"
 
 
 @functools.cache
-def _announce(impl: str, device: str) -> None:
-    logger.info("ops.kda: %s (%s)", impl, device)
+def _announce(impl: str, device: str, dtype: torch.dtype) -> None:
+    logger.info("ops.kda: %s (%s, %s)", impl, device, dtype)
 
 
 __all__ = ["kda", "kda_chunk", "kda_recurrent", "IMPLS"]
