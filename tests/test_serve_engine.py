@@ -1,7 +1,12 @@
 """The engine with the real k3-tiny model at random init: greedy outputs equal the model's own
-`generate` for any prefix-cache setting, batch composition and chunked-prefill size; short
-prompts hit on resend; a 10-turn chat reuses its previous turns."""
+`generate` for any prefix-cache setting, batch composition and chunked-prefill size, with decode
+steps reusing the previous step's cache; requests leaving and joining mid-decode change nobody
+else's tokens, and a replaced cache is freed; short prompts hit on resend; a 10-turn chat reuses
+its previous turns."""
 from __future__ import annotations
+
+import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -48,18 +53,69 @@ def reference(model, prompts):
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
+def track_cache_builds(engine: LLMEngine) -> tuple[list[weakref.ref], dict[str, int]]:
+    """Weak references to every K3Cache the runner builds from pages, and a count of the steps
+    that ran a forward: fewer builds than steps means decode steps reused the resident cache."""
+    built, counts = [], {"steps": 0}
+    runner = engine.runner
+    build_cache, execute = runner.build_cache, runner.execute
+
+    def tracked_build(requests):
+        cache = build_cache(requests)
+        built.append(weakref.ref(cache))
+        return cache
+
+    def counted_execute(out, params):
+        counts["steps"] += bool(out.requests)
+        return execute(out, params)
+
+    runner.build_cache, runner.execute = tracked_build, counted_execute
+    return built, counts
+
+
 @pytest.mark.parametrize("prefix_caching,budget,max_seqs", [
     (True, 256, 8), (True, 5, 8), (False, 7, 8), (True, 16, 1)],
     ids=["cache-whole", "cache-chunk5", "nocache-chunk7", "cache-chunk16-seqs1"])
 def test_greedy_matches_generate(model, prompts, reference, prefix_caching, budget, max_seqs):
     engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, max_num_batched_tokens=budget,
                                            max_num_seqs=max_seqs, enable_prefix_caching=prefix_caching))
+    built, counts = track_cache_builds(engine)
     assert engine.generate(prompts, GREEDY) == reference
+    assert len(built) < counts["steps"]  # decode steps ran on the resident cache
     # again, now from the prefix cache, and in another batch composition
     order = [4, 1, 3, 0, 2]
     assert engine.generate([prompts[i] for i in order], GREEDY) == [reference[i] for i in order]
     if prefix_caching:
         assert engine.cache.stats.hit_tokens > 0
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, prompts):
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8))
+    built, counts = track_cache_builds(engine)
+
+    def greedy(n: int) -> SamplingParams:
+        return dataclasses.replace(GREEDY, max_tokens=n)
+
+    # the prefill stops one token short (a KDA checkpoint at prompt_len - 1): token k comes at step k + 1
+    stays = engine.add_request(prompts[0], greedy(8))
+    finishes = engine.add_request(prompts[1], greedy(3))  # at step 4
+    cancelled = engine.add_request(prompts[3], greedy(8))  # after step 6
+    while engine.has_unfinished:
+        engine.step()
+        if counts["steps"] == 4:  # takes the finished one's place: a prefix hit, one token to compute
+            joins = engine.add_request(prompts[1], greedy(5))
+        if counts["steps"] == 6:
+            engine.abort(cancelled.request_id)
+        # only the cache of the current set of requests may be alive: a replaced one is freed at once
+        assert not any(ref() is not None for ref in built[:-1])
+    assert built[-1]() is None  # and once idle, that one too
+    assert joins.num_cached_tokens == len(prompts[1]) - 1
+    # built for steps 1 (prefill), 5 (one left, one joined) and 7 (after the cancellation); the others reused
+    assert (counts["steps"], len(built)) == (9, 3)
+    for request, prompt, n in [(stays, 0, 8), (finishes, 1, 3), (joins, 1, 5)]:
+        assert request.output_token_ids == generate(model, [prompts[prompt]], n)[0]
+    assert cancelled.output_token_ids == generate(model, [prompts[3]], 8)[0][:5]
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 

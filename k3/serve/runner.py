@@ -3,10 +3,11 @@
 Owns the page pool tensor [num_pages, page_bytes] (uint8; the bookkeeping never looks inside)
 and, per step: executes the page plan (zero fresh private state, copy hit snapshots and
 copy-on-write pages in), builds a `K3Cache` for the scheduled requests from their private KDA
-pages and MLA page tables, runs ONE forward (packed with cu_seqlens so requests never share state;
-a step of one token per request runs as a uniform [N, 1] batch, the model's batched decode path),
-writes the new state and latent rows back into pages, snapshots KDA state into checkpoint pages,
-and samples the requests whose chunk reached their last known token.
+pages and MLA page tables (a decode step that continues the previous step's requests keeps the
+cache that step left instead: `_take_resident_cache`), runs ONE forward (packed with cu_seqlens
+so requests never share state; a step of one token per request runs as a uniform [N, 1] batch,
+the model's batched decode path), writes the new state and latent rows back into pages, snapshots
+KDA state into checkpoint pages, and samples the requests whose chunk reached their last known token.
 
 Legend: N scheduled requests, T packed new tokens, P tokens per page, M MLA layers,
 W = kv_lora_rank + qk_rope_head_dim, H/K/V KDA heads / key dim / value dim, 3C conv channels.
@@ -36,6 +37,8 @@ class ModelRunner:
         self._mla_layers = [i for i in range(self.config.num_hidden_layers) if self.config.is_mla_layer(i)]
         self._state_shape = (L.kda_heads, L.kda_head_dim, L.kda_head_dim)
         self._conv_shape = (L.conv_channels, L.conv_tail)
+        # the last executed step's requests and the cache its forward left (equal to their pages)
+        self._resident: tuple[list[ScheduledRequest], K3Cache] | None = None
 
     # ------------------------------------------------------------------ page views
     def _latent_pages(self) -> torch.Tensor:
@@ -73,6 +76,34 @@ class ModelRunner:
             self.pool[list(dst)] = self.pool[list(src)]
 
     # ------------------------------------------------------------------ one step
+    def _take_resident_cache(self, out: SchedulerOutput) -> K3Cache | None:
+        """The previous step's cache if this decode step reads exactly what it holds, else None.
+        Either way the runner stops holding it: an unused cache is freed before a new one is built,
+        and a forward that raises leaves no half-updated cache behind.
+
+        Why reuse is safe: `write_back` stored the cache's KDA states and new latent rows into the
+        requests' pages (same dtypes), so the cache is what `build_cache` would read back while
+        nothing else writes those pages. Between steps only the plan does: `zero` / `copy_before`
+        fill an admission's pages (must be empty); `copy_after` only copies out to checkpoint pages;
+        growth appends pages; shared prefix pages are never written (copy-on-write). The requests
+        must be the same: ids in the same order, rows in the same pages (a request re-added under a
+        finished one's id need not be), and `num_computed` at the cache's length (the scheduler
+        advances it by exactly the tokens run; a preemption resets it and drops the request)."""
+        resident, self._resident = self._resident, None
+        if resident is None or out.plan.zero or out.plan.copy_before:
+            return None
+        previous, cache = resident
+        requests = out.requests
+        decode_only = all(len(r.token_ids) == 1 for r in requests)
+        same_requests = len(requests) == len(previous) and all(
+            r.request_id == p.request_id and r.page_table[:len(p.page_table)] == p.page_table
+            for r, p in zip(requests, previous))
+        continues = cache.lengths.tolist() == [r.num_computed for r in requests]
+        return cache if decode_only and same_requests and continues else None
+
+    def release_resident_cache(self) -> None:
+        self._resident = None
+
     def build_cache(self, requests: list[ScheduledRequest]) -> K3Cache:
         layers: list = [None] * self.config.num_hidden_layers
         for j, i in enumerate(self._kda_layers):
@@ -105,6 +136,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, SampledToken]:
+        resident_cache = self._take_resident_cache(out)
         if not out.requests:
             return {}
         plan = out.plan
@@ -112,7 +144,7 @@ class ModelRunner:
             self.pool[plan.zero] = 0
         self._copy(plan.copy_before)
         requests = out.requests
-        cache = self.build_cache(requests)
+        cache = resident_cache if resident_cache is not None else self.build_cache(requests)
         ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)[None]
         cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
         if len(requests) == ids.shape[1]:  # decode only: a uniform [N, 1] batch takes the batched paths
@@ -121,6 +153,7 @@ class ModelRunner:
             logits = self.model(ids, cu_seqlens=cu, cache=cache)[0]
         self.write_back(requests, cache)
         self._copy(plan.copy_after)
+        self._resident = (requests, cache)
         chosen = [n for n, r in enumerate(requests) if r.sample]
         if not chosen:
             return {}
