@@ -86,6 +86,25 @@ def test_fla_prefix_invariance():
         assert_rel_close("outputs before i", layer(x)[:, :i], layer(x2)[:, :i], 1e-6)
 
 
+def test_fla_normalize_qk_in_kernel_matches_chunk():
+    """q/k L2 norm inside fla's kernels (chunk with grads, and decode) vs the torch path's."""
+    q, k, v, g, beta, h0 = cuda(*make_inputs(2, 70, 2, 64, 64, "lb"))
+    q, k = (3 * q + 0.1 * torch.randn_like(q)).requires_grad_(), (k + 0.1 * torch.randn_like(k)).requires_grad_()
+    do = torch.randn_like(v)
+    results = {}
+    for impl in ("chunk", "fla"):
+        o, s = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, impl=impl, normalize_qk=True)
+        results[impl] = (o, s, *torch.autograd.grad((o * do).sum(), (q, k)))
+    for name, ref, out in zip(("o", "state", "dq", "dk"), results["chunk"], results["fla"]):
+        assert_rel_close(name, ref, out, FLA_TOL)
+    with torch.no_grad():
+        one = [t[:, :1] for t in (q, k, v, g, beta)]
+        ref = kda(*one, initial_state=h0, output_final_state=True, impl="recurrent", normalize_qk=True)
+        out = kda(*one, initial_state=h0, output_final_state=True, impl="fla", normalize_qk=True)
+    assert_rel_close("decode o", ref[0], out[0], FLA_TOL)
+    assert_rel_close("decode state", ref[1], out[1], FLA_TOL)
+
+
 def test_auto_keeps_fp32_on_torch_paths():
     """fla for half precision only: fp32 on CUDA runs the torch chunk path (IEEE matmuls)."""
     q, k, v, g, beta, h0 = cuda(*make_inputs(1, 40, 2, 64, 64, "lb"))

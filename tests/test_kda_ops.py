@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.conv import causal_conv1d
+from k3.ops.kda.inputs import l2_normalize
 from k3.ops.kda import kda, kda_chunk, kda_recurrent
 from tests.conftest import assert_rel_close
 
@@ -140,6 +141,16 @@ def test_kda_output_dtype_and_state_dtype():
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     o, s = kda(q, k, v, g, beta, impl="chunk")
     assert s is None
+
+
+@pytest.mark.parametrize("impl", ["chunk", "recurrent"])
+def test_normalize_qk_equals_normalizing_first(impl):
+    q, k, v, g, beta, h0 = make_inputs(2, 9, 2, 16, 16, "lb")
+    raw_q, raw_k = 3 * q + 0.1 * torch.randn_like(q), 0.5 * k + 0.1 * torch.randn_like(k)
+    o_ref, s_ref = kda(l2_normalize(raw_q), l2_normalize(raw_k), v, g, beta, initial_state=h0,
+                       output_final_state=True, impl=impl)
+    o, s = kda(raw_q, raw_k, v, g, beta, initial_state=h0, output_final_state=True, impl=impl, normalize_qk=True)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
 
 
 def test_dispatch_auto_on_cpu_and_errors(caplog):

@@ -27,7 +27,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import KDAState
-from k3.model.norm import RMSNorm, l2_normalize
+from k3.model.norm import RMSNorm
 from k3.model.precision import KeepsFP32
 from k3.ops.conv import causal_conv1d
 from k3.ops.kda import kda
@@ -121,7 +121,6 @@ class KimiDeltaAttention(KeepsFP32):
                                    cu_seqlens=cu_seqlens, output_final_state=state is not None,
                                    activation="silu", impl=self._conv_impl)
         q, k, v = qkv.unflatten(-1, (3, H, K)).unbind(dim=2)  # each [B, T, H, K]
-        q, k = l2_normalize(q.float(), eps=1e-6), l2_normalize(k.float(), eps=1e-6)
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.forget_gate(x)
         # Under no_grad (decode) the state is updated in place: it keeps its address for CUDA-graph
@@ -131,7 +130,7 @@ class KimiDeltaAttention(KeepsFP32):
                              initial_state=None if state is None else state.recurrent,
                              output_final_state=state is not None, cu_seqlens=cu_seqlens,
                              impl=self.config.kda_impl, chunk_size=self.config.kda_chunk_size,
-                             update_state_in_place=in_place)
+                             update_state_in_place=in_place, normalize_qk=True)
         if in_place:
             state.conv.copy_(tails)
         elif state is not None:

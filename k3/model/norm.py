@@ -28,8 +28,3 @@ class RMSNorm(nn.Module):
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight (the AttnRes key normalization, SPEC §5)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (KDA q/k, SPEC §3)."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

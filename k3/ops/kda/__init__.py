@@ -1,7 +1,7 @@
 """Kimi Delta Attention ops (SPEC §3): one entry point, three interchangeable backends.
 
     kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, impl, chunk_size,
-        update_state_in_place)
+        update_state_in_place, normalize_qk)
 
 Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same function:
 - "recurrent": token-by-token fp32 reference (`reference.py`); the CPU decode path (T == 1).
@@ -16,6 +16,9 @@ speed comes with bf16.
 `update_state_in_place=True` (forward-only decode) writes the final state into `initial_state` and
 returns that same tensor: the state keeps its address, as CUDA-graph replay needs, and the fla
 decode kernel writes it directly instead of allocating and copying.
+`normalize_qk=True` takes q and k before their L2 norm and normalizes them first: inside fla's
+kernels (the same formula and eps, in fp32, saving the fp32 copies of q and k and their passes
+through memory), in fp32 on the torch paths.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 
 from k3.ops.kda import fla_backend
 from k3.ops.kda.chunk import kda_chunk
+from k3.ops.kda.inputs import l2_normalize
 from k3.ops.kda.reference import kda_recurrent
 from k3.ops.varlen import longest_sequence
 
@@ -48,6 +52,7 @@ def kda(
     impl: str = "auto",
     chunk_size: int = 64,
     update_state_in_place: bool = False,
+    normalize_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
     if impl not in IMPLS:
@@ -62,9 +67,12 @@ def kda(
             _announce(impl, q.device.type, v.dtype)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)
+    if impl != "fla" and normalize_qk:
+        q, k = l2_normalize(q.float()), l2_normalize(k.float())
     if impl == "fla":
         o, final_state = fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
-                                             update_state_in_place=update_state_in_place)
+                                             update_state_in_place=update_state_in_place,
+                                             normalize_qk=normalize_qk)
     elif impl == "recurrent":
         o, final_state = kda_recurrent(q, k, v, g, beta, **common)
     else:

@@ -6,8 +6,9 @@ fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
 - `g` arrives already activated (the layer computes the K3 lower-bounded or the Kimi-Linear
   softplus gate in fp32), so `use_gate_in_kernel=False` and `safe_gate=False`: no in-kernel gate,
   which also keeps clear of fla issue #1240 (prefix outputs depending on future gates with the
-  in-kernel safe gate, SPEC §3). q/k arrive L2-normalized: `use_qk_l2norm_in_kernel=False`;
-  beta arrives post-sigmoid: `use_beta_sigmoid_in_kernel=False`.
+  in-kernel safe gate, SPEC §3). q/k's L2 norm runs in the kernels with `normalize_qk`
+  (`use_qk_l2norm_in_kernel`: x / sqrt(sum x^2 + 1e-6) in fp32, our formula and eps); beta
+  arrives post-sigmoid: `use_beta_sigmoid_in_kernel=False`.
 - state layout: fla's default key-first [N, H, K, V] (`state_v_first=False`), fp32 as fla asserts.
 - `cu_seqlens` is fla's (FlashAttention) convention, the same as ours.
 - chunk_kda accepts chunk sizes 32 and 64 only; a smaller requested chunk runs at 64 (the chunk
@@ -53,6 +54,7 @@ def kda_fla(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     update_state_in_place: bool = False,
+    normalize_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not q.is_cuda:
         raise ValueError(f"kda impl 'fla' runs on CUDA tensors only, got device {q.device}")
@@ -72,7 +74,7 @@ def kda_fla(
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, g, beta, initial_state) if t is not None)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                  cu_seqlens=cu_seqlens)
+                  cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=normalize_qk)
     decode = longest_sequence(q.shape[1], cu_seqlens) == 1 and not needs_grad
     if decode and update_state_in_place:
         # writes into initial_state (the caller's, as k3.ops.kda checked it is contiguous fp32);
@@ -82,9 +84,9 @@ def kda_fla(
     elif decode:
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
-        # Everything arrives activated (gate, L2 norm, beta) and the state key-first [N, H, K, V];
-        # the in-kernel variants stay off until fla issue #1240's prefix-invariance check passes here.
-        o, state = chunk_kda(q, k, v, g, beta, **common, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+        # gate and beta arrive activated, the state key-first [N, H, K, V]; the in-kernel gate stays
+        # off until fla issue #1240's prefix-invariance check passes here.
+        o, state = chunk_kda(q, k, v, g, beta, **common, use_gate_in_kernel=False,
                              use_beta_sigmoid_in_kernel=False, safe_gate=False, state_v_first=False,
                              chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
     return o, state if output_final_state else None

@@ -6,6 +6,8 @@ B batch, T tokens, H heads, K key dim, V value dim, N sequences (B, or len(cu_se
     g     [B, T, H, K]   log-decay per key channel, already activated (<= 0)
     beta  [B, T, H]      delta-rule write strength in (0, 1)
     state [N, H, K, V]   fp32, key-first (fla's default layout, `state_v_first=False`)
+q and k are L2-normalized over K (`l2_normalize`), by the caller or, with `normalize_qk=True`,
+by the op itself (k3.ops.kda).
 """
 from __future__ import annotations
 
@@ -33,3 +35,8 @@ def check_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise ValueError(f"kda: initial_state must be [N={N}, H={H}, K={K}, V={v.shape[-1]}], "
                          f"got shape {tuple(initial_state.shape)}")
     return N
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (KDA q/k, SPEC §3; fla's `l2norm`, same eps)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
