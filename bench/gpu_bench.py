@@ -160,17 +160,18 @@ def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadl
         try:
             ids = batch(B)
             _free(device)
-            t0 = time.monotonic()
-            step(ids)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_s = time.monotonic() - t0
+            step(ids)  # the first step at a size JIT-compiles kernels for its shapes (28 s at B8 on 2026-12-03)
             break
         except torch.cuda.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
             if B == 1:
                 raise
             B //= 2
+    t0 = time.monotonic()
+    step(ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    step_s = time.monotonic() - t0
     flops = train_flops_per_token(cfg, T)
 
     def measure(label: str, step_s: float, detail: str = "") -> None:
