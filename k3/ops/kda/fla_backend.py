@@ -84,8 +84,9 @@ def kda_fla(
     elif decode:
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
-        # gate and beta arrive activated, the state key-first [N, H, K, V]; the in-kernel gate stays
-        # off until fla issue #1240's prefix-invariance check passes here.
+        # gate and beta arrive activated, the state key-first [N, H, K, V]. The in-kernel safe gate
+        # passed the GPU prefix-invariance check (fla issue #1240) on 2026-12-03; it stays off until
+        # its accuracy check has run too (docs/BENCHMARKS.md, runs 4-7).
         o, state = chunk_kda(q, k, v, g, beta, **common, use_gate_in_kernel=False,
                              use_beta_sigmoid_in_kernel=False, safe_gate=False, state_v_first=False,
                              chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
