@@ -56,7 +56,8 @@ from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
 from k3.model.params import count_parameters  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
-from k3.ops.kda import fla_backend, kda  # noqa: E402
+from k3.ops import fla_kernels  # noqa: E402
+from k3.ops.kda import kda  # noqa: E402
 from k3.train.compile import compile_regions  # noqa: E402
 
 Record = Callable[[dict], None]
@@ -322,7 +323,7 @@ def sdpa_backends_for_mla(cfg: K3Config, device: torch.device, record: Record) -
 
 def bench_kda(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
     cfg = load_config("k3-tiny" if smoke else "k3-1b")
-    fla = device.type == "cuda" and fla_backend.is_available()
+    fla = device.type == "cuda" and fla_kernels.available()
     if device.type == "cuda":
         sdpa_backends_for_mla(cfg, device, record)
     lengths = (64, 128) if smoke else (4096, 16384, 65536)

@@ -47,8 +47,9 @@ from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
 from k3.model.moe import StableLatentMoE  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
+from k3.ops import fla_kernels  # noqa: E402
 from k3.ops.conv import causal_conv1d  # noqa: E402
-from k3.ops.kda import fla_backend, kda  # noqa: E402
+from k3.ops.kda import kda  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 from tests.test_kda_ops import make_inputs  # noqa: E402
 
@@ -111,7 +112,7 @@ class Checker:
 
     def __init__(self, device: torch.device, smoke: bool, record: Record, deadline: float):
         self.device, self.smoke, self.record, self.deadline = device, smoke, record, deadline
-        self.fla = device.type == "cuda" and fla_backend.is_available()
+        self.fla = device.type == "cuda" and fla_kernels.available()
         self.fast = "fla" if self.fla else "recurrent"  # the path under test; recurrent stands in on CPU
         self.config = gpu_config(smoke)
 

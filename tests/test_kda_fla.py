@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from k3.model.kda import KimiDeltaAttention
+from k3.ops import fla_kernels
 from k3.ops.conv import causal_conv1d
-from k3.ops.kda import fla_backend, kda
+from k3.ops.kda import kda
 from tests.conftest import assert_rel_close
 from tests.test_kda_layer import make_layer, random_state, clone_state
 from tests.test_kda_ops import make_inputs
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fla_backend.is_available()),
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fla_kernels.available()),
                                 reason="needs CUDA and fla-core with triton")
 # fla's kernels accumulate in fp32 but may round operands (tf32/bf16 tensor cores): looser than 1e-5.
 FLA_TOL = 5e-3

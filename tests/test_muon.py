@@ -25,7 +25,7 @@ def svals(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("axis", [0, 1], ids=["row-blocks", "col-blocks"])
 def test_each_head_block_is_orthogonalized_separately(axis):
-    d, D, H = 32, 96, len(HEAD_SCALES)
+    d, D = 32, 96
     blocks = [torch.randn(d, D) * s for s in HEAD_SCALES] if axis == 0 else [torch.randn(D, d) * s for s in HEAD_SCALES]
     g = torch.cat(blocks, dim=axis)  # [H*d, D] (q/k/v-like) or [D, H*d] (o_proj-like)
     out = orthogonalize(g, Blocks(axis, d))

@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn import functional as F
 
 from k3.atomic import write_atomic
 from k3.config import ConfigError, load_config
-from k3.data.corpus import DataError, load_documents, split_documents
+from k3.data.corpus import load_documents, split_documents
 from k3.model.balance import balance_step, expert_loads
 from k3.model.generate import generate
 from k3.model.params import count_parameters

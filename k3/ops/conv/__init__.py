@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops import fla_kernels
 from k3.ops.conv import fla_backend
 from k3.ops.conv.reference import causal_conv1d_torch
 from k3.ops.varlen import check_cu_seqlens
@@ -55,7 +56,7 @@ def causal_conv1d(
         raise ValueError(f"causal_conv1d: initial_state must be [N={N}, C={C}, W-1={W - 1}], "
                          f"got shape {tuple(initial_state.shape)}")
     if impl == "auto":
-        impl = "fla" if x.is_cuda and fla_backend.is_available() else "torch"
+        impl = "fla" if x.is_cuda and fla_kernels.available() else "torch"
     backend = fla_backend.causal_conv1d_fla if impl == "fla" else causal_conv1d_torch
     return backend(x, weight, initial_state=initial_state, cu_seqlens=cu_seqlens,
                    output_final_state=output_final_state, activation=activation)

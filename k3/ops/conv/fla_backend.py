@@ -10,20 +10,10 @@ gives gradients for x, the weight, the initial tails and through the final tails
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-
-@functools.cache
-def is_available() -> bool:
-    """fla's kernels import only where triton does (never on our CPU machines)."""
-    try:
-        import fla.modules.causal_conv1d  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from k3.ops import fla_kernels
 
 
 def causal_conv1d_fla(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None,
@@ -31,7 +21,7 @@ def causal_conv1d_fla(x: torch.Tensor, weight: torch.Tensor, *, initial_state: t
                       activation: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not x.is_cuda:
         raise ValueError(f"causal_conv1d impl 'fla' runs on CUDA tensors only, got device {x.device}")
-    if not is_available():
+    if not fla_kernels.available():
         raise RuntimeError("causal_conv1d impl 'fla' needs fla-core with triton (pip install 'k3[cuda]'); "
                            "use impl='torch' or 'auto' instead")
     from fla.modules.causal_conv1d import causal_conv1d

@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from k3.ops import fla_kernels
 from k3.ops.kda import fla_backend
 from k3.ops.kda.chunk import kda_chunk
 from k3.ops.kda.inputs import l2_normalize
@@ -87,7 +88,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 def _auto_impl(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:
     # v's dtype is the activation dtype: the layer hands q/k over in fp32 after their L2 norm
-    if q.is_cuda and v.dtype in HALF_DTYPES and fla_backend.is_available():
+    if q.is_cuda and v.dtype in HALF_DTYPES and fla_kernels.available():
         return "fla"
     return "recurrent" if longest_sequence(q.shape[1], cu_seqlens) == 1 else "chunk"
 

@@ -21,24 +21,13 @@ fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from k3.ops import fla_kernels
 from k3.ops.kda.inputs import check_kda_inputs
 from k3.ops.varlen import longest_sequence
 
 FLA_CHUNK_SIZES = (32, 64)
-
-
-@functools.cache
-def is_available() -> bool:
-    """fla's KDA kernels import only where triton does (never on our CPU machines)."""
-    try:
-        import fla.ops.kda  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def kda_fla(
@@ -58,7 +47,7 @@ def kda_fla(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not q.is_cuda:
         raise ValueError(f"kda impl 'fla' runs on CUDA tensors only, got device {q.device}")
-    if not is_available():
+    if not fla_kernels.available():
         raise RuntimeError("kda impl 'fla' needs fla-core with triton (pip install 'k3[cuda]'); "
                            "use impl='chunk' or 'auto' instead")
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
