@@ -87,7 +87,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _auto_impl(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:
-    # v's dtype is the activation dtype: the layer hands q/k over in fp32 after their L2 norm
+    # v's dtype is the activation dtype (q/k may arrive in fp32, normalized by the caller)
     if q.is_cuda and v.dtype in HALF_DTYPES and fla_kernels.available():
         return "fla"
     return "recurrent" if longest_sequence(q.shape[1], cu_seqlens) == 1 else "chunk"
