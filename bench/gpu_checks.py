@@ -440,8 +440,8 @@ def check_model_decode(c: Checker) -> None:
 
 
 def checks_layers(c: Checker) -> None:
-    # The KDA layer last: its fp32 device pass makes fla compile and autotune its fp32 kernels
-    # (minutes on a cold Triton cache), which must not starve the checks before it.
+    # The KDA layer last: the slowest (CPU fp32 references, and on a cold Triton cache fla's conv and
+    # qk-norm kernels compile here), it must not starve the checks before it.
     c.run("MLA layer", lambda: check_mla(c), 15)
     c.run("model decode", lambda: check_model_decode(c), 20)
     c.run("model logits", lambda: check_model_logits(c), 30)

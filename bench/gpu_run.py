@@ -44,8 +44,8 @@ class Section:
 # (--triton-cache) cuts that to seconds.
 SECTIONS = [
     Section("ceilings", 45, 10),
-    Section("checks:kda", 300, 30),  # compiles and autotunes fla's chunk kernels (bf16, packed, fp32)
-    Section("checks:layers", 200, 20),  # bf16 first; the fp32 fla compile of the KDA-layer check comes last
+    Section("checks:kda", 300, 30),  # compiles and autotunes fla's kernels (chunk bf16, packed, conv, qk-norm)
+    Section("checks:layers", 200, 20),  # 63 s warm on 2026-12-03; the KDA-layer check (CPU references) last
     Section("checks:moe", 40, 10),
     Section("bench:decode", 420, 25),  # 56 rows of ~2-20 s each, in order of importance (gpu_bench.py)
     Section("bench:serve", 150, 40),
