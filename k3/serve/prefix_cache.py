@@ -86,7 +86,9 @@ class PrefixCache:
         self.layout = layout
         self.hash_block_size = hash_block_size
         self.entries: dict[bytes, CacheEntry] = {}
-        self._partials: dict[bytes, set[int]] = {}  # parent key -> offsets of endpoints inside the next block
+        # parent key -> offsets of endpoints inside the next block, counted: prompts that differ only
+        # inside that block end at the same offset under different keys
+        self._partials: dict[bytes, Counter[int]] = {}
         self._users: dict[int, set[bytes]] = {}  # page id -> keys of the entries that point to it
         self.stats = CacheStats()
         pool.on_evict = self._evict
@@ -165,7 +167,7 @@ class PrefixCache:
                    if self.layout.num_mla_layers else {})
             entry = self.entries[key] = CacheEntry(key, length, parent, mla)
             if length % H:
-                self._partials.setdefault(parent, set()).add(length % H)
+                self._partials.setdefault(parent, Counter())[length % H] += 1
             self._use(key, mla.values())
         if kda_pages is None or entry.kda_pages is not None:
             return False
@@ -207,8 +209,10 @@ class PrefixCache:
                 del self.entries[key]
                 self._unuse(key, entry.mla_pages.values())
                 if entry.length % self.hash_block_size:
-                    offsets = self._partials[entry.parent]
-                    offsets.discard(entry.length % self.hash_block_size)
+                    offsets, offset = self._partials[entry.parent], entry.length % self.hash_block_size
+                    offsets[offset] -= 1
+                    if not offsets[offset]:
+                        del offsets[offset]
                     if not offsets:
                         del self._partials[entry.parent]
             log.debug("prefix cache evicted page %d: endpoint %d %s", page, entry.length,
