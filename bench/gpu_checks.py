@@ -3,8 +3,11 @@
     python bench/gpu_checks.py [--smoke] [--only kda,layers,moe]
 
 Every comparison is `rel = RMSE(ref - out) / RMSE(ref)` (tests/conftest.py) on fresh random inputs
-(never zeros), against a bound chosen from the precision of the fast path (METHOD.md: fp32
-far under 1e-3, tf32 near 3e-4, bf16 operands 1e-3..1e-2). Each check prints name, rel, bound
+(never zeros), against issue #5's bar: 1e-4 for fp32 paths, 1e-2 for bf16 ones, outputs and
+gradients alike. Two composite checks, a whole KDA layer under bf16 autocast and a whole model in
+bf16, lose more than 1e-2 on the CPU torch path itself (bf16 rounding through every projection in
+series); there the bound is twice (layer) or 1.25x (model) that CPU figure, measured in the same
+check, so the device path may not add to what bf16 costs. Each check prints name, rel, bound
 and PASS / FAIL. fp32 models never reach fla's KDA kernels (k3.ops.kda sends fp32 to the torch
 paths: Triton's fp32 `tl.dot` rounds operands to tf32), so every fp32 comparison is held to 1e-4.
 
@@ -55,13 +58,11 @@ from tests.test_kda_ops import make_inputs  # noqa: E402
 
 Record = Callable[[dict], None]
 
-# Bounds (see the module docstring). Gradients pass through the recomputed forward and the backward,
-# about twice the roundings of the outputs, so their bf16 bound is twice the forward one.
+# Bounds (see the module docstring): issue #5's bar, forward and backward alike. Composite checks
+# (a whole layer under bf16 autocast, a whole model) are bounded by what bf16 costs the CPU torch
+# path itself on the same inputs, when that is more than the bar: the device path may not add to it.
 FP32 = 1e-4
-BF16, BF16_GRAD = 1e-2, 2e-2
-BF16_LAYER = 2e-2  # a whole layer under bf16 autocast: every projection rounds (~4e-3 each), in series;
-# the KDA layer check raises it to twice what the CPU torch path itself loses under the same autocast
-BF16_MODEL = 3e-2  # bf16 weights and activations through every layer of a model
+BF16 = 1e-2
 EXACT = 1e-6  # causality: a prefix must not see the future at all
 
 
@@ -188,7 +189,7 @@ def kda_vs_reference(c: Checker, dtype: torch.dtype, lengths: list[int] | None =
     impl, ref_impl = ("auto", "recurrent") if fp32 else (c.fast, "chunk")
     o_ref, s_ref, g_ref = _kda_grads(ref_impl, ref_leaves, do, ds, cu)
     o, s, g_out = _kda_grads(impl, fast_leaves, do, ds, cu)
-    fwd, bwd = (FP32, FP32) if fp32 else (BF16, BF16_GRAD)
+    fwd = bwd = FP32 if fp32 else BF16
     shape = f"B{B} T{T}" if cu is None else f"packed {lengths}"
     name = f"kda[{impl}] {str(dtype).removeprefix('torch.')} {shape} vs {ref_impl}"
     c.compare(f"{name} o", o_ref, o, fwd)
@@ -276,7 +277,7 @@ def conv_vs_reference(c: Checker, dtype: torch.dtype) -> None:
     fp32 = dtype == torch.float32
     name = f"causal conv[auto] {str(dtype).removeprefix('torch.')} packed {lengths} vs torch fp32"
     for part, ref, out in zip(("y", "final tails", "dx", "dweight", "dtails"), *runs):
-        c.compare(f"{name} {part}", ref, out, FP32 if fp32 else (BF16 if part in ("y", "final tails") else BF16_GRAD))
+        c.compare(f"{name} {part}", ref, out, FP32 if fp32 else BF16)
 
 
 def checks_kda(c: Checker) -> None:
@@ -337,7 +338,9 @@ def check_kda_layer(c: Checker) -> None:
     cpu = torch.device("cpu")
     y_ref, s_ref, dx_ref, dp_ref = _layer_pass(*on(cpu), autocast=False)
     # bf16 bounds calibrated on the torch reference itself: the CPU chunk path under the same bf16
-    # autocast sets the error bf16 costs this layer; the device may be at most twice as far off.
+    # autocast sets the error bf16 costs this layer (1.1e-2 on q/k projection gradients; A_log's [H]
+    # gradient is a sum over B*T*K terms that cancel, so its error over 8 heads swings 2x by seed:
+    # 0.8e-2..2.0e-2 on CPU); the device may be at most twice as far off.
     cpu_bf16 = _layer_pass(*on(cpu), autocast=True)
     ref = (y_ref, s_ref.recurrent, s_ref.conv, dx_ref)
     floor = [rel_err(r, o) for r, o in zip(ref, (cpu_bf16[0], cpu_bf16[1].recurrent, cpu_bf16[1].conv, cpu_bf16[2]))]
@@ -348,11 +351,11 @@ def check_kda_layer(c: Checker) -> None:
         outs = (y, s.recurrent, s.conv, dx)
         for part, r, o, e in zip(("y", "state", "conv tails", "dx"), ref, outs, floor):
             if autocast:
-                c.compare(f"{name} {part}", r, o, max(BF16_LAYER, 2 * e), note=f"cpu bf16 autocast: {e:.1e}")
+                c.compare(f"{name} {part}", r, o, max(BF16, 2 * e), note=f"cpu bf16 autocast: {e:.1e}")
             else:
                 c.compare(f"{name} {part}", r, o, FP32)
         if autocast:
-            _worst_param(c, f"{name} dparams", dp_ref, dp, max(BF16_LAYER, 2 * floor_params),
+            _worst_param(c, f"{name} dparams", dp_ref, dp, max(BF16, 2 * floor_params),
                          extra=f"cpu bf16 autocast worst: {floor_params:.1e}")
         else:
             _worst_param(c, f"{name} dparams", dp_ref, dp, FP32)
@@ -397,37 +400,67 @@ def _model(smoke: bool) -> K3ForCausalLM:
     return K3ForCausalLM(cfg.replace(num_experts_per_token=cfg.num_experts))
 
 
+def _bf16_reference(model: K3ForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """fp32 logits on CPU of the model with its weights rounded to bf16 (what a bf16 model holds;
+    the rounding itself is not the fast path's error), and how far the CPU torch path's own bf16
+    forward is from them: the error bf16 arithmetic costs this model, whatever the device. Eight
+    layers of bf16 activations lose ~1.2e-2 (measured on CPU), more than one op's 1e-2, so whole-model
+    bf16 comparisons are bounded by that floor rather than by the per-op bar."""
+    bf16 = copy.deepcopy(model).cpu().to(torch.bfloat16)
+    with torch.no_grad():
+        reference = copy.deepcopy(bf16).float()(ids.cpu())
+        floor = rel_err(reference, bf16(ids.cpu()))
+    return reference, floor
+
+
+def _model_bound(floor: float) -> float:
+    return max(BF16, 1.25 * floor)
+
+
 def check_model_logits(c: Checker) -> None:
-    """A whole k3-tiny-shaped model: device logits (fp32, then bf16 weights) vs CPU fp32 logits.
-    The bf16 bound covers bf16 weights as well as bf16 arithmetic (the reference keeps fp32 weights)."""
+    """A whole k3-tiny-shaped model: device logits vs CPU fp32 logits (fp32), and bf16 weights on
+    the device vs the same rounded weights in fp32 on CPU."""
     model = _model(c.smoke).eval()
     B, T = (1, 12) if c.smoke else (2, 200)
     ids = torch.randint(0, model.config.vocab_size, (B, T))
     with torch.no_grad():
-        ref = model(ids)
-        for dtype, bound in ((torch.bfloat16, BF16_MODEL), (torch.float32, FP32)):
+        ref32 = model(ids)
+    ref16, floor = _bf16_reference(model, ids)
+    for dtype, ref, bound, note in ((torch.bfloat16, ref16, _model_bound(floor), f"cpu bf16: {floor:.1e}; "),
+                                    (torch.float32, ref32, FP32, "")):
+        with torch.no_grad():
             out = copy.deepcopy(model).to(c.device, dtype)(ids.to(c.device))
-            agree = (out.argmax(-1).cpu() == ref.argmax(-1)).float().mean().item()
-            c.compare(f"model {c.device.type} {str(dtype).removeprefix('torch.')} logits vs cpu fp32", ref, out,
-                      bound, note=f"argmax agreement {agree:.1%}")
+        agree = (out.argmax(-1).cpu() == ref.argmax(-1)).float().mean().item()
+        c.compare(f"model {c.device.type} {str(dtype).removeprefix('torch.')} logits vs cpu fp32", ref, out,
+                  bound, note=f"{note}argmax agreement {agree:.1%}")
 
 
 def check_model_decode(c: Checker) -> None:
-    """On the device: the logits of the last 4 positions from one full forward equal those from a
-    prefill of T-4 tokens into a cache followed by 4 single-token steps (chunk vs recurrent kernels)."""
+    """On the device: a prefill of T-4 tokens into a cache followed by 4 single-token steps (chunk
+    then recurrent kernels), eager and replayed from a CUDA graph, gives the last 4 logits of one
+    full forward. fp32: against the device's own full forward (the property itself); bf16: against
+    the fp32 reference of the same rounded weights, where the full forward must be too (two bf16
+    paths compared with each other would count both their roundings)."""
     model = _model(c.smoke).eval()
     B, T, steps = (1, 12, 4) if c.smoke else (2, 200, 4)
     ids = torch.randint(0, model.config.vocab_size, (B, T), device=c.device)
-    for dtype, bound in ((torch.bfloat16, BF16_MODEL), (torch.float32, FP32)):
+    ref16, floor = _bf16_reference(model, ids)
+    for dtype in (torch.bfloat16, torch.float32):
+        label = str(dtype).removeprefix("torch.")
         m = copy.deepcopy(model).to(c.device, dtype)
         with torch.no_grad():
             full = m(ids)[:, -steps:]
             cache = K3Cache.empty(m.config, B, device=c.device, dtype=dtype)
             m(ids[:, :-steps], cache=cache)
             stepped = torch.cat([m(ids[:, T - steps + t:T - steps + t + 1], cache=cache) for t in range(steps)], 1)
-        c.compare(f"model {c.device.type} {str(dtype).removeprefix('torch.')} decode = prefill (last {steps} logits)",
-                  full, stepped, bound)
-        graph_name = f"model cuda {str(dtype).removeprefix('torch.')} CUDA-graph decode = prefill (last {steps} logits)"
+        if dtype == torch.float32:
+            ref, bound, what = full, FP32, "decode = prefill"
+        else:
+            ref, bound, what = ref16[:, -steps:], _model_bound(floor), "decode vs cpu fp32"
+            c.compare(f"model {c.device.type} {label} prefill vs cpu fp32 (last {steps} logits)", ref, full, bound,
+                      note=f"cpu bf16: {floor:.1e}")
+        c.compare(f"model {c.device.type} {label} {what} (last {steps} logits)", ref, stepped, bound)
+        graph_name = f"model cuda {label} CUDA-graph {what} (last {steps} logits)"
         if c.device.type == "cuda" and not capturable_experts(m):
             c.skip(graph_name, "routed experts run the per-expert loop here (host-side counts; grouped_mm needs bf16 on sm90): not capturable")
         elif c.device.type == "cuda":  # the same steps replayed from a CUDA graph
@@ -436,7 +469,9 @@ def check_model_decode(c: Checker) -> None:
                 m(ids[:, :-steps], cache=cache)
                 decoder = CUDAGraphDecoder(m, cache)
                 graphed = torch.stack([decoder.step(ids[:, T - steps + t]).clone() for t in range(steps)], 1)
-            c.compare(graph_name, full, graphed, bound)
+            c.compare(graph_name, ref, graphed, bound)
+            c.compare(f"model cuda {label} CUDA-graph decode = eager decode (last {steps} logits)", stepped, graphed,
+                      EXACT)
 
 
 def checks_layers(c: Checker) -> None:
@@ -482,11 +517,10 @@ def check_experts(c: Checker) -> None:
     fast = _experts_pass(bank16, x16, weights, idx, dy)
     with per_expert_loop():
         loop16 = _experts_pass(bank16, x16, weights, idx, dy)
-    for label, other, bound, grad_bound in ((f"bf16 {path} vs fp32 loop", ref, BF16, BF16_GRAD),
-                                            (f"bf16 {path} vs bf16 loop", loop16, BF16, BF16_GRAD)):
-        c.compare(f"experts {label} y", other[0], fast[0], bound)
+    for label, other in ((f"bf16 {path} vs fp32 loop", ref), (f"bf16 {path} vs bf16 loop", loop16)):
+        c.compare(f"experts {label} y", other[0], fast[0], BF16)
         for grad_name, r, out in zip(("dx", "dw1", "dw3", "dw2"), other[1], fast[1]):
-            c.compare(f"experts {label} {grad_name}", r, out, grad_bound)
+            c.compare(f"experts {label} {grad_name}", r, out, BF16)
 
 
 def check_moe_autocast(c: Checker) -> None:
@@ -510,7 +544,7 @@ def check_moe_autocast(c: Checker) -> None:
         ref = dense(x)
         with torch.autocast(c.device.type, dtype=torch.bfloat16):
             out = dense(x)
-    c.compare("StableLatentMoE (k=E) fp32 params under bf16 autocast vs fp32", ref, out, BF16_LAYER)
+    c.compare("StableLatentMoE (k=E) fp32 params under bf16 autocast vs fp32", ref, out, BF16)
 
 
 def checks_moe(c: Checker) -> None:

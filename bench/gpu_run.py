@@ -296,11 +296,20 @@ def _bench_tables(entries: list[dict]) -> list[str]:
                   key := (e["batch"], e["context"], e.get("mode"))) in mla else ""] for e in dec])]
     serve = [e for e in entries if e.get("bench") == "serve" and e.get("status") == "ok"]
     if serve:
+        rows = []
+        for e in serve:
+            for mode, label in (("graphs", "k3 engine, CUDA graphs"), ("eager", "k3 engine, eager")):
+                if f"k3_{mode}_tokens_per_s" in e:
+                    rows.append([e["name"], e["dtype"], label, e["hf_tokens_per_s"], e[f"k3_{mode}_tokens_per_s"],
+                                 f"{e[f'k3_{mode}_throughput_ratio']:.2f}x", e["hf_ttft_s"], e[f"k3_{mode}_ttft_s"],
+                                 f"{e[f'k3_{mode}_agreement_with_hf']:.1%}"])
         out += ["### Serving engine vs HF transformers generate (greedy, same weights)", _table(
-            ["workload", "dtype", "HF tokens/s", "k3 tokens/s", "k3 / HF", "HF TTFT s", "k3 TTFT s",
-             "greedy agreement"],
-            [[e["name"], e["dtype"], e["hf_tokens_per_s"], e["k3_tokens_per_s"], f"{e['throughput_ratio']:.2f}x",
-              e["hf_ttft_s"], e["k3_ttft_s"], f"{e['greedy_agreement']:.1%}"] for e in serve])]
+            ["workload", "dtype", "engine", "HF tokens/s", "k3 tokens/s", "k3 / HF", "HF TTFT s", "k3 TTFT s",
+             "greedy agreement with HF"], rows)]
+        out += [f"{e['name']}: prefill logits vs HF fp32 on CPU: HF {e['dtype']} {e['hf_prefill_rel_err']:.2e}, "
+                f"k3 {e['dtype']} {e['k3_prefill_rel_err']:.2e}"
+                + (f"; CUDA-graph tokens equal to eager: {e['graphs_agreement_with_eager']:.1%}"
+                   if "graphs_agreement_with_eager" in e else "") for e in serve]
     moe = [e for e in entries if e.get("bench") == "moe" and e.get("status") == "ok"]
     if moe:
         out += ["### Routed experts (bf16)", _table(["case", "ms", "TFLOP/s"],

@@ -9,7 +9,11 @@ untimed warm-up run of the same work (kernel compilation and autotuning are not 
 batch is uniform-length (no padding needed). TTFT for HF is its batched prefill + first token
 (`max_new_tokens=1`); for k3 it is the mean over requests of arrival -> first token under
 continuous batching. On CUDA both use fla's KDA kernels (transformers picks them up when
-flash-linear-attention is installed). Prints a short table last.
+flash-linear-attention is installed), and the k3 engine runs twice: replaying decode batches from
+CUDA graphs (its default) and eagerly; their tokens must agree exactly.
+
+Correctness alongside: the prefill logits of HF and of k3 on the device, each against HF's fp32
+forward on CPU (the reference implementation on its reference path). Prints a short table last.
 """
 from __future__ import annotations
 
@@ -84,12 +88,14 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, floa
     return ttft, elapsed, out[:, prompts.shape[1]:].tolist()
 
 
-def bench_k3(model, prompts: list[list[int]], new_tokens: int, budget: int) -> tuple[float, float, list[list[int]]]:
+def bench_k3(model, prompts: list[list[int]], new_tokens: int, budget: int,
+             cuda_graphs: bool = True) -> tuple[float, float, list[list[int]]]:
     """The engine sized for the whole batch at once: its cache holds every request's pages."""
     longest = max(len(p) for p in prompts) + new_tokens
     engine = LLMEngine(model, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget,
                                            max_model_len=max(longest, 4096), enable_prefix_caching=False,
-                                           cache_bytes=_engine_cache_bytes(model, len(prompts), longest)))
+                                           cache_bytes=_engine_cache_bytes(model, len(prompts), longest),
+                                           cuda_graphs=cuda_graphs))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     device = next(model.parameters()).device
     _sync(device)
@@ -116,36 +122,52 @@ def _engine_cache_bytes(model, num_seqs: int, tokens: int) -> int:
 
 def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_tokens: int, vocab: int,
         warmup: bool = True) -> dict:
-    """Both engines on the same prompts; returns throughput, TTFT and greedy agreement."""
+    """Both engines on the same prompts; returns throughput, TTFT, greedy agreement and each
+    implementation's prefill logits error against HF fp32 on CPU."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf = kimi_linear(vocab, size)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (prompts, prompt_len), generator=g)
+    probe = ids[:4]
+    with torch.inference_mode():
+        reference = hf(probe).logits.float()  # HF on CPU in fp32: the torch reference path
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours = load_pretrained(d, device=device, dtype=dtype).eval()
     hf = hf.to(device, dtype)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (prompts, prompt_len), generator=g)
-    logits_rel, first_agree = compare_prefill(hf, ours, ids[:4].to(device))
+    hf_rel, hf_first = logits_error(reference, hf, probe.to(device), lambda out: out.logits)
+    k3_rel, k3_first = logits_error(reference, ours, probe.to(device), lambda out: out)
     budget = prompts * prompt_len
+    modes = {"graphs": True, "eager": False} if device.type == "cuda" else {"eager": False}
     for _ in range(1 + warmup):  # the last round is the measured one
         hf_ttft, hf_time, hf_out = bench_hf(hf, ids.to(device), new_tokens)
-        k3_ttft, k3_time, k3_out = bench_k3(ours, ids.tolist(), new_tokens, budget=budget)
+        k3 = {mode: bench_k3(ours, ids.tolist(), new_tokens, budget, graphs) for mode, graphs in modes.items()}
     n = prompts * new_tokens
-    agree = sum(a == b for x, y in zip(hf_out, k3_out) for a, b in zip(x, y)) / n
-    return {"hf_tokens_per_s": n / hf_time, "hf_ttft_s": hf_ttft, "k3_tokens_per_s": n / k3_time,
-            "k3_ttft_s": k3_ttft, "throughput_ratio": hf_time / k3_time, "ttft_ratio": k3_ttft / hf_ttft,
-            "greedy_agreement": agree, "prefill_logits_rel_err": logits_rel, "first_token_agreement": first_agree,
-            "dtype": str(dtype).removeprefix("torch.")}
+    result = {"hf_tokens_per_s": n / hf_time, "hf_ttft_s": hf_ttft, "dtype": str(dtype).removeprefix("torch."),
+              "hf_prefill_rel_err": hf_rel, "hf_first_token_agreement": hf_first,
+              "k3_prefill_rel_err": k3_rel, "k3_first_token_agreement": k3_first}
+    for mode, (ttft, elapsed, out) in k3.items():
+        result[f"k3_{mode}_tokens_per_s"] = n / elapsed
+        result[f"k3_{mode}_ttft_s"] = ttft
+        result[f"k3_{mode}_throughput_ratio"] = hf_time / elapsed
+        result[f"k3_{mode}_agreement_with_hf"] = agreement(hf_out, out)
+    if "graphs" in k3:
+        result["graphs_agreement_with_eager"] = agreement(k3["eager"][2], k3["graphs"][2])
+    return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions with the same greedy token."""
+    return sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / sum(len(p) for p in a)
 
 
 @torch.inference_mode()
-def compare_prefill(hf, ours, ids: torch.Tensor) -> tuple[float, float]:
-    """Same weights, same prompts: RMSE(hf - k3) / RMSE(hf) of the prefill logits, and how often
-    the greedy first token agrees. With random weights the logits are nearly flat, so in bf16 a
-    rounding-level difference can flip a near-tie: the error tells whether the models agree."""
-    ref = hf(ids).logits.float()
-    out = ours(ids).float()
-    return rel_err(ref, out), (ref[:, -1].argmax(-1) == out[:, -1].argmax(-1)).float().mean().item()
+def logits_error(reference: torch.Tensor, model, ids: torch.Tensor, logits_of) -> tuple[float, float]:
+    """RMSE(reference - logits) / RMSE(reference) of a prefill, and how often its greedy first token
+    agrees. With random weights the logits are nearly flat, so a rounding-level difference can flip
+    a near-tie: the error, not the agreement, tells whether two implementations agree."""
+    out = logits_of(model(ids)).float().cpu()
+    return rel_err(reference, out), (reference[:, -1].argmax(-1) == out[:, -1].argmax(-1)).float().mean().item()
 
 
 def main() -> None:
@@ -167,11 +189,17 @@ def main() -> None:
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     cmd = "python bench/serve.py " + " ".join(sys.argv[1:])
-    table = ["| engine | tokens/s | TTFT (s) |", "|---|---|---|",
-             f"| HF transformers generate | {r['hf_tokens_per_s']:.1f} | {r['hf_ttft_s']:.3f} |",
-             f"| k3 engine | {r['k3_tokens_per_s']:.1f} | {r['k3_ttft_s']:.3f} |"]
-    summary = (f"k3/HF throughput ratio {r['throughput_ratio']:.2f}x, TTFT ratio {r['ttft_ratio']:.2f}x; "
-               f"greedy tokens agreeing with HF: {r['greedy_agreement']:.1%}")
+    table = ["| engine | tokens/s | TTFT (s) | vs HF | greedy agreement with HF |", "|---|---|---|---|---|",
+             f"| HF transformers generate | {r['hf_tokens_per_s']:.1f} | {r['hf_ttft_s']:.3f} | 1.00x | |"]
+    for mode in ("graphs", "eager"):
+        if f"k3_{mode}_tokens_per_s" in r:
+            table.append(f"| k3 engine ({'CUDA graphs' if mode == 'graphs' else 'eager'}) | "
+                         f"{r[f'k3_{mode}_tokens_per_s']:.1f} | {r[f'k3_{mode}_ttft_s']:.3f} | "
+                         f"{r[f'k3_{mode}_throughput_ratio']:.2f}x | {r[f'k3_{mode}_agreement_with_hf']:.1%} |")
+    summary = (f"prefill logits vs HF fp32 on CPU: HF {r['dtype']} {r['hf_prefill_rel_err']:.2e}, "
+               f"k3 {r['dtype']} {r['k3_prefill_rel_err']:.2e}")
+    if "graphs_agreement_with_eager" in r:
+        summary += f"; k3 CUDA-graph tokens equal to eager: {r['graphs_agreement_with_eager']:.1%}"
     if args.record:
         with open(args.record, "a") as f:
             f.write(f"\n## serve: k3 engine vs HF generate ({datetime.date.today()})\n\n"

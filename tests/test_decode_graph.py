@@ -1,11 +1,15 @@
-"""CUDA-graph decode (k3/model/decode_graph.py) is checked on the GPU (bench/gpu_checks.py, model
-decode); here: what it refuses, with a message that says why."""
+"""CUDA-graph decode (k3/model/decode_graph.py): what it refuses, with a message that says why;
+on CUDA, the serving engine's graph replay against its eager steps. The model-level numerics are
+checked on the GPU by bench/gpu_checks.py (model decode)."""
 import pytest
+import torch
 
 from k3.config import load_config
 from k3.model.cache import K3Cache
 from k3.model.decode_graph import CUDAGraphDecoder, capturable_experts
 from k3.model.transformer import K3ForCausalLM
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.sampling import SamplingParams
 
 
 def test_refuses_cpu_models_and_host_synchronizing_experts():
@@ -13,3 +17,38 @@ def test_refuses_cpu_models_and_host_synchronizing_experts():
     assert not capturable_experts(model)  # CPU: the per-expert loop reads counts on the host
     with pytest.raises(ValueError, match="CUDA"):
         CUDAGraphDecoder(model, K3Cache.empty(model.config, 1, capacity=8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_replays_decode_graphs_with_the_eager_tokens():
+    """On CUDA (bf16, grouped_mm experts): the engine's decode steps replayed from CUDA graphs
+    give the tokens of eager steps, through a batch that shrinks as requests finish."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(load_config("k3-tiny")).eval().to("cuda", torch.bfloat16)
+    if not capturable_experts(model):
+        pytest.skip("routed experts not capturable on this GPU (grouped_mm needs sm90)")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(6, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 300)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 30, 60)]
+    runs = {}
+    for graphs in (False, True):
+        engine = LLMEngine(model, EngineConfig(cuda_graphs=graphs))
+        captures = count_captures(engine)
+        requests = [engine.add_request(p, s) for p, s in zip(prompts, params)]
+        while engine.has_unfinished:
+            engine.step()
+        runs[graphs] = [r.output_token_ids for r in requests], captures["n"]
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 0 and runs[True][1] >= 3  # one per batch composition: 3, 2, then 1 request
+
+
+def count_captures(engine: LLMEngine) -> dict:
+    counts, decode = {"n": 0}, engine.runner._decode
+
+    def counted(ids, resident):
+        had = resident.graph is not None
+        logits = decode(ids, resident)
+        counts["n"] += resident.graph is not None and not had
+        return logits
+    engine.runner._decode = counted
+    return counts

@@ -1,8 +1,9 @@
 """The engine with the real k3-tiny model at random init: greedy outputs equal the model's own
 `generate` for any prefix-cache setting, batch composition and chunked-prefill size, with decode
 steps reusing the previous step's cache; requests leaving and joining mid-decode change nobody
-else's tokens, and a replaced cache is freed; short prompts hit on resend; a 10-turn chat reuses
-its previous turns."""
+else's tokens, and a replaced cache is freed; the decode-graph bookkeeping (capture, replay,
+recapture when the batch changes or its MLA buffers fill) is exact, with the graph stood in for
+on CPU; short prompts hit on resend; a 10-turn chat reuses its previous turns."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +13,13 @@ import pytest
 import torch
 
 from k3.config import load_config
+from k3.model import cache as cache_module
+from k3.model.cache import KDAState, MLAState
+from k3.model.decode_graph import _restore, _snapshot
 from k3.model.generate import generate
 from k3.model.transformer import K3ForCausalLM
 from k3.serve.chat_format import ChatFormat
+from k3.serve import runner as runner_module
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.train.tokenizer import train_tokenizer
@@ -117,6 +122,52 @@ def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, 
         assert request.output_token_ids == generate(model, [prompts[prompt]], n)[0]
     assert cancelled.output_token_ids == generate(model, [prompts[3]], 8)[0][:5]
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+class StandInGraph:
+    """CUDAGraphDecoder's contract on CPU: a warm-up step that the cache is restored from, then
+    each step runs on exactly the tensors seen at capture (a real graph would read and write those
+    addresses whatever the cache held later; a reallocated buffer would go silently stale)."""
+    captures = 0
+
+    def __init__(self, model, cache, warmup_steps: int = 2):
+        StandInGraph.captures += 1
+        self.model, self.cache, self.addresses = model, cache, self._addresses(cache)
+        saved = _snapshot(cache)
+        for _ in range(warmup_steps):
+            model(torch.zeros(cache.num_seqs, 1, dtype=torch.long), cache=cache)
+        _restore(cache, saved)
+
+    @staticmethod
+    def _addresses(cache) -> list[int]:
+        return [t.data_ptr() for s in cache.layers
+                for t in ((s.conv, s.recurrent) if isinstance(s, KDAState) else (s.buffer, s.lengths))]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self._addresses(self.cache) == self.addresses, "a cache tensor moved under a live graph"
+        assert all(s.capacity > int(self.cache.lengths.max()) for s in self.cache.layers if isinstance(s, MLAState))
+        return self.model(tokens.view(-1, 1), cache=self.cache)[:, 0]
+
+
+def test_decode_graphs_capture_replay_and_recapture_exactly(model, prompts, monkeypatch):
+    monkeypatch.setattr(runner_module, "CUDAGraphDecoder", StandInGraph)
+    # small MLA growth steps, so the buffers fill (and the graph is dropped, then recaptured) mid-decode
+    monkeypatch.setattr(cache_module, "MLA_CAPACITY_STEP", 32)
+    monkeypatch.setattr(runner_module, "MLA_CAPACITY_STEP", 32)
+    monkeypatch.setattr(runner_module, "GRAPH_MIN_ROOM", 4)
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8))
+    engine.runner.cuda_graphs = True  # what a CUDA device with grouped_mm experts sets
+    StandInGraph.captures = 0
+    long = dataclasses.replace(GREEDY, max_tokens=40)
+    stays = engine.add_request(prompts[2], long)  # 40 + 40 tokens: fills a 64-row buffer
+    leaves = engine.add_request(prompts[0], dataclasses.replace(GREEDY, max_tokens=10))
+    while engine.has_unfinished:
+        engine.step()
+    assert stays.output_token_ids == generate(model, [prompts[2]], 40)[0]
+    assert leaves.output_token_ids == generate(model, [prompts[0]], 10)[0]
+    # captured for the pair, again for the one left, and again after its buffers grew to 96 rows
+    assert StandInGraph.captures == 3
+    assert engine.runner._resident is None and engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 
 def test_short_prompt_hits_on_second_send(model):

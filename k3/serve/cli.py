@@ -26,6 +26,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue bound (beyond it: HTTP 429)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every decode step eagerly (default on CUDA: replay lasting decode batches from CUDA graphs)")
     p.add_argument("--seed", type=int, default=None)
 
 
@@ -34,7 +36,7 @@ def engine_config(args) -> EngineConfig:
                         cache_bytes=args.cache_mb << 20, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-                        seed=args.seed)
+                        cuda_graphs=not args.no_cuda_graphs, seed=args.seed)
 
 
 def usage_error(command: str, e: BaseException) -> int:

@@ -60,6 +60,7 @@ class EngineConfig:
     max_model_len: int = 4096
     max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # replay lasting decode batches from CUDA graphs (CUDA + grouped_mm experts only)
     seed: int | None = None
 
 
@@ -87,7 +88,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=min(config.max_model_len, model.config.max_position_embeddings),
                                    max_waiting=config.max_waiting)
-        self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed)
+        self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs)
         self.eos_token_id = model.config.eos_token_id
         self._lock = threading.Lock()
         # a deque, appended without the lock: abort() may run from a finalizer (gc) on any thread,

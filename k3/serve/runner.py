@@ -9,21 +9,47 @@ so requests never share state; a step of one token per request runs as a uniform
 the model's batched decode path), writes the new state and latent rows back into pages, snapshots
 KDA state into checkpoint pages, and samples the requests whose chunk reached their last known token.
 
+On CUDA, a decode batch that stays the same for a few steps is captured as a CUDA graph over its
+resident cache (`CUDAGraphDecoder`) and later steps replay it: an eager decode step is host-bound
+(thousands of small kernel launches), a replay is one launch. The graph lives as long as the
+resident cache; a new batch composition captures anew.
+
 Legend: N scheduled requests, T packed new tokens, P tokens per page, M MLA layers,
 W = kv_lora_rank + qk_rope_head_dim, H/K/V KDA heads / key dim / value dim, 3C conv channels.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from k3.model.cache import K3Cache, KDAState, MLAState
+from k3.model.cache import MLA_CAPACITY_STEP, K3Cache, KDAState, MLAState
+from k3.model.decode_graph import CUDAGraphDecoder, capturable_experts
 from k3.serve.page_layout import PageLayout
 from k3.serve.sampling import SampledToken, Sampler, SamplingParams
 from k3.serve.scheduler import ScheduledRequest, SchedulerOutput
 
 
+# A capture costs about two eager steps, so it waits until the same batch has reused its cache
+# this many times (a batch that changes every step never captures), and needs room for this many
+# more tokens in the cache's MLA buffers (they cannot grow under a live graph).
+CAPTURE_AFTER_REUSES = 2
+GRAPH_MIN_ROOM = 16
+
+
+@dataclass
+class ResidentCache:
+    """The last executed step's requests, the cache its forward left (equal to their pages), how
+    many steps in a row reused it, and its decode graph once captured."""
+    requests: list[ScheduledRequest]
+    cache: K3Cache
+    reuses: int = 0
+    graph: CUDAGraphDecoder | None = None
+
+
 class ModelRunner:
-    def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None):
+    def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
+                 cuda_graphs: bool = True):
         self.model = model
         self.config = model.config
         self.layout = layout
@@ -37,8 +63,9 @@ class ModelRunner:
         self._mla_layers = [i for i in range(self.config.num_hidden_layers) if self.config.is_mla_layer(i)]
         self._state_shape = (L.kda_heads, L.kda_head_dim, L.kda_head_dim)
         self._conv_shape = (L.conv_channels, L.conv_tail)
-        # the last executed step's requests and the cache its forward left (equal to their pages)
-        self._resident: tuple[list[ScheduledRequest], K3Cache] | None = None
+        self._resident: ResidentCache | None = None
+        # graphs need CUDA and routed experts that never read counts on the host (grouped_mm)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and capturable_experts(model)
 
     # ------------------------------------------------------------------ page views
     def _latent_pages(self) -> torch.Tensor:
@@ -76,7 +103,7 @@ class ModelRunner:
             self.pool[list(dst)] = self.pool[list(src)]
 
     # ------------------------------------------------------------------ one step
-    def _take_resident_cache(self, out: SchedulerOutput) -> K3Cache | None:
+    def _take_resident_cache(self, out: SchedulerOutput) -> ResidentCache | None:
         """The previous step's cache if this decode step reads exactly what it holds, else None.
         Either way the runner stops holding it: an unused cache is freed before a new one is built,
         and a forward that raises leaves no half-updated cache behind.
@@ -92,14 +119,14 @@ class ModelRunner:
         resident, self._resident = self._resident, None
         if resident is None or out.plan.zero or out.plan.copy_before:
             return None
-        previous, cache = resident
+        previous, cache = resident.requests, resident.cache
         requests = out.requests
         decode_only = all(len(r.token_ids) == 1 for r in requests)
         same_requests = len(requests) == len(previous) and all(
             r.request_id == p.request_id and r.page_table[:len(p.page_table)] == p.page_table
             for r, p in zip(requests, previous))
         continues = cache.lengths.tolist() == [r.num_computed for r in requests]
-        return cache if decode_only and same_requests and continues else None
+        return resident if decode_only and same_requests and continues else None
 
     def release_resident_cache(self) -> None:
         self._resident = None
@@ -111,32 +138,54 @@ class ModelRunner:
             layers[i] = KDAState(conv, recurrent)
         if self._mla_layers:
             per_request = [self.read_latents(r.page_table, r.num_computed) for r in requests]
-            capacity = max(r.num_computed + len(r.token_ids) for r in requests)
+            needed = max(r.num_computed + len(r.token_ids) for r in requests)
+            # room for the decode steps that follow (a graph is captured only with room to spare)
+            capacity = (needed // MLA_CAPACITY_STEP + 1) * MLA_CAPACITY_STEP
             for m, i in enumerate(self._mla_layers):
                 layers[i] = MLAState.from_rows([lat[:, m] for lat in per_request], capacity)
         lengths = torch.tensor([r.num_computed for r in requests], dtype=torch.long)
         return K3Cache(layers, lengths)
 
     def write_back(self, requests: list[ScheduledRequest], cache: K3Cache) -> None:
-        for j, i in enumerate(self._kda_layers):
-            state = cache.layers[i]
-            self.write_snapshots([r.state_pages[j] for r in requests], state.conv, state.recurrent)
+        """Store the step's new KDA states and latent rows in the requests' pages, with a handful of
+        batched copies whatever the number of requests and layers (every step pays for this)."""
+        if self._kda_layers:
+            states = [cache.layers[i] for i in self._kda_layers]
+            self.write_snapshots([r.state_pages[j] for j in range(len(states)) for r in requests],
+                                 torch.cat([s.conv for s in states]), torch.cat([s.recurrent for s in states]))
         if not self._mla_layers:
             return
+        counts = torch.tensor([len(r.token_ids) for r in requests])
+        seq = torch.repeat_interleave(torch.arange(len(requests)), counts)  # [T] request of each new token
+        first = torch.tensor([r.num_computed for r in requests])
+        offset_in_chunk = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[seq]
+        position = first[seq] + offset_in_chunk
+        widest = max(len(r.page_table) for r in requests)
+        tables = torch.tensor([r.page_table + [0] * (widest - len(r.page_table)) for r in requests])
         P = self.layout.block_size
-        pages, rows, values = [], [], []
-        for n, r in enumerate(requests):
-            positions = torch.arange(r.num_computed, r.num_computed + len(r.token_ids))
-            table = torch.tensor(r.page_table, dtype=torch.long)
-            pages.append(table[positions // P])
-            rows.append(positions % P)
-            new_rows = slice(r.num_computed, r.num_computed + len(r.token_ids))
-            values.append(torch.stack([cache.layers[i].buffer[n, new_rows] for i in self._mla_layers], 1))
-        self._latent_pages()[torch.cat(pages), torch.cat(rows)] = torch.cat(values).to(self.layout.dtype)
+        seq, position, page, row = torch.stack(
+            [seq, position, tables[seq, position // P], position % P]).to(self.device).unbind(0)
+        values = torch.stack([cache.layers[i].buffer[seq, position] for i in self._mla_layers], 1)  # [T, M, W]
+        self._latent_pages()[page, row] = values.to(self.layout.dtype)
+
+    def _decode(self, ids: torch.Tensor, resident: ResidentCache) -> torch.Tensor:
+        """One token per request [N] -> logits [N, V]: replayed from the resident cache's graph
+        (captured once the batch has lasted, with room in its MLA buffers), else an eager forward."""
+        cache = resident.cache
+        room = min((s.capacity for s in cache.layers if isinstance(s, MLAState)), default=None)
+        room = None if room is None else room - int(cache.lengths.max())
+        if room is not None and room < 1:
+            resident.graph = None  # the eager forward reallocates the buffers the graph holds
+        elif (resident.graph is None and self.cuda_graphs and resident.reuses >= CAPTURE_AFTER_REUSES
+              and (room is None or room >= GRAPH_MIN_ROOM)):
+            resident.graph = CUDAGraphDecoder(self.model, cache, warmup_steps=1)
+        if resident.graph is not None:
+            return resident.graph.step(ids)
+        return self.model(ids.view(-1, 1), cache=cache)[:, 0]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, SampledToken]:
-        resident_cache = self._take_resident_cache(out)
+        resident = self._take_resident_cache(out)
         if not out.requests:
             return {}
         plan = out.plan
@@ -144,16 +193,21 @@ class ModelRunner:
             self.pool[plan.zero] = 0
         self._copy(plan.copy_before)
         requests = out.requests
-        cache = resident_cache if resident_cache is not None else self.build_cache(requests)
-        ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)[None]
-        cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
-        if len(requests) == ids.shape[1]:  # decode only: a uniform [N, 1] batch takes the batched paths
-            logits = self.model(ids.view(-1, 1), cache=cache)[:, 0]
+        if resident is None:
+            resident = ResidentCache(requests, self.build_cache(requests))
         else:
-            logits = self.model(ids, cu_seqlens=cu, cache=cache)[0]
+            resident.reuses += 1
+        cache = resident.cache
+        ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)
+        cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
+        if len(requests) == ids.numel():  # decode only: a uniform [N, 1] batch takes the batched paths
+            logits = self._decode(ids, resident)
+        else:
+            logits = self.model(ids[None], cu_seqlens=cu, cache=cache)[0]
         self.write_back(requests, cache)
         self._copy(plan.copy_after)
-        self._resident = (requests, cache)
+        resident.requests = requests
+        self._resident = resident
         chosen = [n for n, r in enumerate(requests) if r.sample]
         if not chosen:
             return {}
