@@ -321,9 +321,24 @@ def _worst_param(c: Checker, name: str, ref: dict, out: dict, bound: float, extr
 def check_kda_layer(c: Checker) -> None:
     """KimiDeltaAttention on the device ("auto": fla's conv, and fla's KDA for bf16 / the torch chunk
     path for fp32, on CUDA) vs the same weights on CPU fp32 (torch), continuing a random decode
-    state: outputs, new recurrent state, conv tails, all gradients."""
-    cfg = c.config.replace(kda_impl="auto")
-    layer = randomize_(KimiDeltaAttention(cfg, layer_idx=0))
+    state: outputs, new recurrent state, conv tails, all gradients. Both gate families: K3's
+    lower-bounded sigmoid gate, and Kimi Linear's softplus gate (its decay parameters at their
+    official init: unit-scale ones would decay by e^-10 per token, a regime no checkpoint is in)."""
+    k3_gate = c.config.replace(kda_impl="auto")
+    kimi_linear_gate = k3_gate.replace(gate_lower_bound=None, use_full_rank_gate=False)
+    _check_kda_layer(c, "KDA layer", k3_gate, randomize_decay=True)
+    _check_kda_layer(c, "KDA layer (Kimi Linear gate)", kimi_linear_gate, randomize_decay=False)
+
+
+def _check_kda_layer(c: Checker, kind: str, cfg: K3Config, randomize_decay: bool) -> None:
+    layer = KimiDeltaAttention(cfg, layer_idx=0)
+    decay = {n: p.detach().clone() for n, p in layer.named_parameters() if n in ("A_log", "dt_bias")}
+    randomize_(layer)
+    if not randomize_decay:
+        with torch.no_grad():
+            for n, p in layer.named_parameters():
+                if n in decay:
+                    p.copy_(decay[n])
     B, T = (1, 20) if c.smoke else (2, 300)
     x = torch.randn(B, T, cfg.hidden_size)
     state = KDAState.empty(cfg, B)
@@ -345,9 +360,9 @@ def check_kda_layer(c: Checker) -> None:
     ref = (y_ref, s_ref.recurrent, s_ref.conv, dx_ref)
     floor = [rel_err(r, o) for r, o in zip(ref, (cpu_bf16[0], cpu_bf16[1].recurrent, cpu_bf16[1].conv, cpu_bf16[2]))]
     floor_params = max(rel_err(dp_ref[n], cpu_bf16[3][n]) for n in dp_ref)
-    for label, autocast in (("fp32", False), ("bf16 autocast", True)):
+    for mode, autocast in (("fp32", False), ("bf16 autocast", True)):
         y, s, dx, dp = _layer_pass(*on(c.device), autocast=autocast)
-        name = f"KDA layer {c.device.type}[auto] {label} vs cpu fp32"
+        name = f"{kind} {c.device.type}[auto] {mode} vs cpu fp32"
         outs = (y, s.recurrent, s.conv, dx)
         for part, r, o, e in zip(("y", "state", "conv tails", "dx"), ref, outs, floor):
             if autocast:
