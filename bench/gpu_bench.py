@@ -14,9 +14,9 @@
                                                              forward 6Td^2 + 3TCd + TC^2; x3 fwd+bwd)
 - kda:    forward + backward of one layer, batch 1, T = 4K, 16K, 64K, bf16: k3's
           KimiDeltaAttention (fla path), fla's own `fla.layers.KimiDeltaAttention` (same heads and
-          dims, K3 gate: safe_gate, lower bound -5), the bare KDA op (k3 -> fla chunk_kda, and
-          chunk_kda with safe_gate=True), k3's gated MLA layer, and causal SDPA with the same
-          heads (d=128): ms, achieved TFLOP/s and ratios.
+          dims, K3 gate: safe_gate, lower bound -5), the bare KDA op as k3's layer calls it (fla's
+          chunk_kda, gate in-kernel with safe_gate), k3's gated MLA layer, and causal SDPA with the
+          same heads (d=128): ms, achieved TFLOP/s and ratios.
 - decode: tokens/s of k3-1b (bf16, absorbed MLA; CUDA-graph replay, eager at batch 1, then with
           compiled regions) at batch 1, 8, 64 and context 1K..128K, the cache
           built directly with random states and latents of the right size, against the bandwidth
@@ -57,7 +57,7 @@ from k3.model.mla import GatedMLA  # noqa: E402
 from k3.model.params import count_parameters  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
 from k3.ops import fla_kernels  # noqa: E402
-from k3.ops.kda import kda  # noqa: E402
+from k3.ops.kda import DecayGate, kda  # noqa: E402
 from k3.train.compile import compile_regions  # noqa: E402
 
 Record = Callable[[dict], None]
@@ -231,14 +231,21 @@ def _op(op: Callable, inputs: list[torch.Tensor]) -> Callable[[], None]:
 
 
 def _kda_inputs(T: int, H: int, K: int, device) -> list[torch.Tensor]:
-    """Layer-like KDA op inputs: unit q/k, K3 gate in (-5, 0) kept fp32 as the layer passes it."""
+    """Layer-like KDA op inputs: unit q/k, the raw gate projections kept fp32 as the layer passes them."""
     bf16 = torch.bfloat16
     q = F.normalize(torch.randn(1, T, H, K, device=device), dim=-1).to(bf16)
     k = F.normalize(torch.randn(1, T, H, K, device=device), dim=-1).to(bf16)
     v = torch.randn(1, T, H, K, device=device, dtype=bf16)
-    g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, device=device))
+    raw_gate = torch.randn(1, T, H, K, device=device)
     beta = torch.sigmoid(torch.randn(1, T, H, device=device)).to(bf16)
-    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+    return [t.requires_grad_() for t in (q, k, v, raw_gate, beta)]
+
+
+def _kda_op(cfg: K3Config, impl: str, device) -> Callable:
+    """kda as the layer calls it: K3's bounded gate activated by the op (A_log 0: g = lb * sigmoid(raw))."""
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    gate = DecayGate(torch.zeros(H, device=device), torch.zeros(H * K, device=device), cfg.gate_lower_bound)
+    return lambda *t: kda(*t, impl=impl, gate=gate)[0]
 
 
 def _fla_layer(cfg: K3Config) -> torch.nn.Module:
@@ -254,12 +261,6 @@ def _fla_layer(cfg: K3Config) -> torch.nn.Module:
 def _compiled(module: torch.nn.Module) -> torch.nn.Module:
     module.compile()
     return module
-
-
-def _fla_safe_gate(q, k, v, g, beta):
-    from fla.ops.kda import chunk_kda
-
-    return chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)[0]
 
 
 def _sdpa_causal(q, k, v):
@@ -289,15 +290,12 @@ def kda_cases(cfg: K3Config, T: int, device: torch.device, fla: bool) -> list[Ca
                           lambda: _layer(_compiled(KimiDeltaAttention(cfg, 0).to(device, bf16)), x()), 0.0, False))
     cases += [
         Case(f"k3 kda op [{impl}]",
-             lambda: _op(lambda *t: kda(*t, impl=impl)[0], _kda_inputs(T, H, K, device)), kda_flops, False),
+             lambda: _op(_kda_op(cfg, impl, device), _kda_inputs(T, H, K, device)), kda_flops, False),
         Case("k3 GatedMLA layer (naive, SDPA)",
              lambda: _layer(GatedMLA(cfg, 3).to(device, bf16), x()), T * mla_flops_per_token(cfg, T), True),
         Case(f"SDPA causal op ({H} heads, d={K})",
              lambda: _op(_sdpa_causal, heads()), causal_attention_flops(T, H, K, K), True),
     ]
-    if fla:
-        cases.append(Case("fla chunk_kda op safe_gate=True", lambda: _op(_fla_safe_gate, _kda_inputs(T, H, K, device)),
-                          kda_flops, False))
     return cases
 
 

@@ -13,10 +13,11 @@ paths: Triton's fp32 `tl.dot` rounds operands to tf32), so every fp32 comparison
 
 Groups (each runs in its own process under bench/gpu_run.py, so a device-side assert in one
 cannot take the others down):
-- kda:    the KDA op, fla vs k3's torch chunk reference: bf16 inputs, packed (cu_seqlens) with
-          initial states, prefix invariance (fla issue #1240); fp32 through "auto" (the torch chunk
-          path on CUDA) vs the recurrent reference; the causal short conv, fla vs torch, packed
-          with tails; fla's safe_gate fast path.
+- kda:    the KDA op as the layer calls it (raw gate projections, activated in fla's kernels;
+          safe_gate for K3's bounded gate) vs k3's torch chunk reference: bf16 inputs, both gate
+          forms, packed (cu_seqlens) with initial states, prefix invariance (fla issue #1240); fp32
+          through "auto" (the torch chunk path on CUDA) vs the recurrent reference; the causal short
+          conv, fla vs torch, packed with tails.
 - layers: KimiDeltaAttention on CUDA vs the same layer on CPU fp32; gated MLA bf16 naive and
           absorbed with a cache vs fp32; a whole k3-tiny-shaped model, bf16 CUDA logits vs fp32
           CPU, and decode = prefill on CUDA.
@@ -52,9 +53,9 @@ from k3.model.moe import StableLatentMoE  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
 from k3.ops import fla_kernels  # noqa: E402
 from k3.ops.conv import causal_conv1d  # noqa: E402
-from k3.ops.kda import kda  # noqa: E402
+from k3.ops.kda import DecayGate, kda  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
-from tests.test_kda_ops import make_inputs  # noqa: E402
+from tests.test_kda_ops import make_gate, make_inputs  # noqa: E402
 
 Record = Callable[[dict], None]
 
@@ -162,56 +163,68 @@ class Checker:
 
 
 # ----------------------------------------------------------------------------- (a) the KDA op
-def _kda_grads(impl: str, leaves: list[torch.Tensor], do, ds, cu=None):
-    o, s = kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, impl=impl)
+GRAD_NAMES = ("dq", "dk", "dv", "draw gate", "dbeta", "dh0", "dA_log", "ddt_bias")
+
+
+def _kda_grads(impl: str, leaves: list[torch.Tensor], lower_bound: float | None, do, ds, cu=None):
+    """kda as the layer calls it: raw gate projections activated by the op (in fla's kernels on
+    CUDA), leaves = q, k, v, raw gate, beta, initial state, A_log, dt_bias."""
+    gate = DecayGate(leaves[6], leaves[7], lower_bound)
+    o, s = kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, impl=impl, gate=gate)
     grads = torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), leaves)
     return o, s, grads
 
 
-def kda_vs_reference(c: Checker, dtype: torch.dtype, lengths: list[int] | None = None) -> None:
-    """The path "auto" takes for `dtype` (bf16: fla; fp32: the torch chunk path on CUDA) vs an fp32
-    reference on the SAME values upcast, so the error measures the kernel, not input rounding: the
-    chunk path for bf16, the token-by-token recurrence for fp32 (a different algorithm than the
-    chunk path under test). g and the state stay fp32, as the layer passes them. Outputs, final
-    states and the gradients of q, k, v, g, beta and the initial state."""
+def kda_vs_reference(c: Checker, dtype: torch.dtype, form: str, lengths: list[int] | None = None) -> None:
+    """The path "auto" takes for `dtype` (bf16: fla, gate activated in-kernel, safe_gate for the
+    bounded form; fp32: the torch chunk path on CUDA) vs an fp32 reference on the SAME values
+    upcast, so the error measures the kernel, not input rounding: the chunk path for bf16, the
+    token-by-token recurrence for fp32 (a different algorithm than the chunk path under test). The
+    raw gate, its parameters and the state stay fp32, as the layer passes them. Outputs, final
+    states and the gradients of every input."""
     H, K = c.config.kda_num_heads, c.config.kda_head_dim
     if lengths is None:
         B, T, N, cu = (1, 40, 1, None) if c.smoke else (2, 1000, 2, None)
     else:
         B, T, N = 1, sum(lengths), len(lengths)
         cu = torch.tensor([0, *lengths], device=c.device).cumsum(0)
-    q, k, v, g, beta, h0 = (t.to(c.device) for t in make_inputs(B, T, H, K, K, "lb", N=N))
-    fast_in = [t if t is g else t.to(dtype) for t in (q, k, v, g, beta)] + [h0]
+    q, k, v, _, beta, h0 = (t.to(c.device) for t in make_inputs(B, T, H, K, K, form, N=N))
+    raw, gate = make_gate(B, T, H, K, form)
+    keep_fp32 = (3, 5, 6, 7)
+    fast_in = [t.to(c.device) if i in keep_fp32 else t.to(dtype)
+               for i, t in enumerate((q, k, v, raw, beta, h0, gate.A_log, gate.dt_bias))]
     fast_leaves = [t.detach().clone().requires_grad_() for t in fast_in]
     ref_leaves = [t.detach().float().clone().requires_grad_() for t in fast_in]
     do, ds = c.randn(B, T, H, K), c.randn(N, H, K, K)
     fp32 = dtype == torch.float32
     impl, ref_impl = ("auto", "recurrent") if fp32 else (c.fast, "chunk")
-    o_ref, s_ref, g_ref = _kda_grads(ref_impl, ref_leaves, do, ds, cu)
-    o, s, g_out = _kda_grads(impl, fast_leaves, do, ds, cu)
-    fwd = bwd = FP32 if fp32 else BF16
+    o_ref, s_ref, g_ref = _kda_grads(ref_impl, ref_leaves, gate.lower_bound, do, ds, cu)
+    o, s, g_out = _kda_grads(impl, fast_leaves, gate.lower_bound, do, ds, cu)
+    bound = FP32 if fp32 else BF16
     shape = f"B{B} T{T}" if cu is None else f"packed {lengths}"
-    name = f"kda[{impl}] {str(dtype).removeprefix('torch.')} {shape} vs {ref_impl}"
-    c.compare(f"{name} o", o_ref, o, fwd)
-    c.compare(f"{name} final state", s_ref, s, fwd)
-    for grad_name, r, out in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_ref, g_out):
-        c.compare(f"{name} {grad_name}", r, out, bwd)
+    name = f"kda[{impl}] {form} gate {str(dtype).removeprefix('torch.')} {shape} vs {ref_impl}"
+    c.compare(f"{name} o", o_ref, o, bound)
+    c.compare(f"{name} final state", s_ref, s, bound)
+    for grad_name, r, out in zip(GRAD_NAMES, g_ref, g_out):
+        c.compare(f"{name} {grad_name}", r, out, bound)
 
 
 def _prefix_inputs(c: Checker, T: int, i: int, dtype: torch.dtype):
-    """Two input sets equal before position i and independently random from i on."""
+    """Two input sets (q, k, v, raw gate, beta) equal before position i and independently random
+    from i on."""
     H, K = c.config.kda_num_heads, c.config.kda_head_dim
-    first = make_inputs(1, T, H, K, K, "lb", with_state=False)[:5]
-    other = make_inputs(1, T, H, K, K, "lb", with_state=False)[:5]
+    first, other = [[*make_inputs(1, T, H, K, K, "lb", with_state=False)[:3], make_gate(1, T, H, K, "lb")[0],
+                     make_inputs(1, T, H, K, K, "lb", with_state=False)[4]] for _ in range(2)]
     second = [torch.cat([a[:, :i], b[:, i:]], dim=1) for a, b in zip(first, other)]
     return [[t.to(c.device, dtype if j != 3 else torch.float32) for j, t in enumerate(s)] for s in (first, second)]
 
 
 def prefix_invariance(c: Checker, label: str, op: Callable, dtype: torch.dtype) -> None:
     """Change every input from position i on: outputs before i, and the gradients of a loss that
-    reads only outputs before i, must not move (fla issue #1240), and gradients from i on must be
-    0; running the first i tokens alone must give the same outputs too (appending is invisible).
-    i sits inside a 16-token sub-chunk, where #1240's anchor row lies in the future."""
+    reads only outputs before i, must not move (fla issue #1240: with its safe gate, fla's
+    sub-chunk anchor could lie in the future), and gradients from i on must be 0; running the first
+    i tokens alone must give the same outputs too (appending is invisible). i sits inside a
+    16-token sub-chunk, where #1240's anchor row lies in the future."""
     T, i = (40, 21) if c.smoke else (1000, 437)
     H, K = c.config.kda_num_heads, c.config.kda_head_dim
     do = c.randn(1, i, H, K)
@@ -227,35 +240,21 @@ def prefix_invariance(c: Checker, label: str, op: Callable, dtype: torch.dtype) 
     with torch.no_grad():
         alone = op(*[t[:, :i] for t in input_sets[0]])
     c.compare(f"{label} first i tokens alone", o1[:, :i], alone, EXACT)
-    for grad_name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g1, g2):
+    for grad_name, a, b in zip(("dq", "dk", "dv", "draw gate", "dbeta"), g1, g2):
         c.compare(f"{label} {grad_name} before i", a[:, :i], b[:, :i], EXACT)
         leak = a[:, i:].float().pow(2).mean().sqrt() / a[:, :i].float().pow(2).mean().sqrt().clamp_min(1e-30)
         c.scalar(f"{label} {grad_name} from i on (rms / rms before i)", leak.item(), EXACT)
 
 
-def kda_op(impl: str) -> Callable:
-    def run(q, k, v, g, beta):
-        return kda(q, k, v, g, beta, impl=impl)[0]
-    return run
-
-
-def fla_safe_gate_op(q, k, v, g, beta):
-    """fla's chunk_kda with its safe_gate (M=16 tensor-core) fast path on k3's activated,
-    lower-bounded gates. k3 does not use this today (fla_backend passes safe_gate=False)."""
-    from fla.ops.kda import chunk_kda
-
-    return chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)[0]
-
-
-def fla_safe_gate_accuracy(c: Checker) -> None:
-    """The safe_gate fast path's outputs vs the fp32 chunk reference (bf16 inputs, forward)."""
+def gated_kda_op(c: Checker, impl: str) -> Callable:
+    """kda with the bounded gate activated by the op (fla: in-kernel, safe_gate), fixed parameters."""
     H, K = c.config.kda_num_heads, c.config.kda_head_dim
-    q, k, v, g, beta, _ = (None if t is None else t.to(c.device)
-                           for t in make_inputs(2, 1000, H, K, K, "lb", with_state=False))
-    low = [t if t is g else t.to(torch.bfloat16) for t in (q, k, v, g, beta)]
-    with torch.no_grad():
-        ref = kda(*[t.float() for t in low], impl="chunk")[0]
-        c.compare("fla chunk_kda safe_gate=True bf16 B2 T1000 o", ref, fla_safe_gate_op(*low), BF16)
+    gate = make_gate(1, 1, H, K, "lb")[1]
+    gate = DecayGate(gate.A_log.to(c.device), gate.dt_bias.to(c.device), gate.lower_bound)
+
+    def run(q, k, v, raw, beta):
+        return kda(q, k, v, raw, beta, impl=impl, gate=gate)[0]
+    return run
 
 
 def conv_vs_reference(c: Checker, dtype: torch.dtype) -> None:
@@ -282,20 +281,14 @@ def conv_vs_reference(c: Checker, dtype: torch.dtype) -> None:
 
 def checks_kda(c: Checker) -> None:
     lengths = [1, 5, 20] if c.smoke else [1, 63, 64, 200, 672]  # awkward: 1, odd, one chunk, partial
-    c.run("kda bf16", lambda: kda_vs_reference(c, torch.bfloat16), 40)
-    c.run("kda prefix invariance", lambda: prefix_invariance(c, f"kda[{c.fast}] bf16 prefix", kda_op(c.fast),
-                                                             torch.bfloat16), 20)
-    c.run("kda packed bf16", lambda: kda_vs_reference(c, torch.bfloat16, lengths), 40)
-    c.run("kda fp32", lambda: kda_vs_reference(c, torch.float32), 40)
+    c.run("kda bf16", lambda: kda_vs_reference(c, torch.bfloat16, "lb"), 40)
+    c.run("kda prefix invariance", lambda: prefix_invariance(c, f"kda[{c.fast}] lb gate bf16 prefix",
+                                                             gated_kda_op(c, c.fast), torch.bfloat16), 20)
+    c.run("kda packed bf16", lambda: kda_vs_reference(c, torch.bfloat16, "lb", lengths), 40)
+    c.run("kda softplus bf16", lambda: kda_vs_reference(c, torch.bfloat16, "softplus"), 40)
+    c.run("kda fp32", lambda: kda_vs_reference(c, torch.float32, "lb"), 40)
     c.run("causal conv bf16", lambda: conv_vs_reference(c, torch.bfloat16), 15)
     c.run("causal conv fp32", lambda: conv_vs_reference(c, torch.float32), 15)
-    if not c.fla:
-        c.skip("fla chunk_kda safe_gate=True", "needs CUDA and fla")
-        return
-    # Not k3's path today: whether switching fla_backend to safe_gate=True would be correct.
-    c.run("fla safe_gate accuracy", lambda: fla_safe_gate_accuracy(c), 30)
-    c.run("fla safe_gate prefix", lambda: prefix_invariance(c, "fla chunk_kda safe_gate=True bf16 prefix",
-                                                            fla_safe_gate_op, torch.bfloat16), 20)
 
 
 # ----------------------------------------------------------------------------- (b, c, e) layers and model

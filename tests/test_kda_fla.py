@@ -8,10 +8,10 @@ import torch
 from k3.model.kda import KimiDeltaAttention
 from k3.ops import fla_kernels
 from k3.ops.conv import causal_conv1d
-from k3.ops.kda import kda
+from k3.ops.kda import DecayGate, activate_gate, kda
 from tests.conftest import assert_rel_close
 from tests.test_kda_layer import make_layer, random_state, clone_state
-from tests.test_kda_ops import make_inputs
+from tests.test_kda_ops import make_gate, make_inputs
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fla_kernels.available()),
                                 reason="needs CUDA and fla-core with triton")
@@ -39,6 +39,38 @@ def test_fla_chunk_matches_chunk_outputs_and_grads(B, T, H, K, gate):
     assert_rel_close("final state", results["chunk"][1], results["fla"][1], FLA_TOL)
     for name, ref, out in zip(["q", "k", "v", "g", "beta", "h0"], results["chunk"][2], results["fla"][2]):
         assert_rel_close(f"d{name}", ref, out, FLA_TOL)
+
+
+@pytest.mark.parametrize("form", ["lb", "softplus"])
+def test_fla_in_kernel_gate_matches_torch_gate(form):
+    """The layer's CUDA path: raw gate projections activated inside fla's kernels (safe_gate for the
+    bounded form) vs the torch chunk path activating them with `activate_gate`: outputs, state and
+    every gradient (A_log and dt_bias included); then the decode kernel vs the recurrence."""
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+
+    B, T, H, K = 2, 150, 2, 64
+    q, k, v, _, beta, h0 = cuda(*make_inputs(B, T, H, K, K, "lb"))
+    raw, gate = make_gate(B, T, H, K, form)
+    leaves = [t.requires_grad_() for t in (q, k, v, *cuda(raw), beta, h0, *cuda(gate.A_log, gate.dt_bias))]
+    oracle = (naive_kda_lowerbound_gate(leaves[3], leaves[6], leaves[7], gate.lower_bound) if form == "lb"
+              else naive_kda_gate(leaves[3], leaves[6], leaves[7]))
+    assert_rel_close("gate formula vs fla's oracle", oracle, activate_gate(leaves[3], DecayGate(*leaves[6:], gate.lower_bound)), 1e-6)
+    do, ds = torch.randn(B, T, H, K, device="cuda"), torch.randn(B, H, K, K, device="cuda")
+    results = {}
+    for impl in ("chunk", "fla"):
+        o, s = kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, impl=impl,
+                   gate=DecayGate(*leaves[6:], gate.lower_bound))
+        results[impl] = (o, s, torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves))
+    assert_rel_close("o", results["chunk"][0], results["fla"][0], FLA_TOL)
+    assert_rel_close("final state", results["chunk"][1], results["fla"][1], FLA_TOL)
+    for name, ref, out in zip(["q", "k", "v", "raw", "beta", "h0", "A_log", "dt_bias"], results["chunk"][2], results["fla"][2]):
+        assert_rel_close(f"d{name}", ref, out, FLA_TOL)
+    with torch.no_grad():  # decode: fused_recurrent_kda with the gate in-kernel
+        one = [t[:, :1] for t in leaves[:5]]
+        decoded = {impl: kda(*one, initial_state=h0, output_final_state=True, impl=impl,
+                             gate=DecayGate(*leaves[6:], gate.lower_bound)) for impl in ("recurrent", "fla")}
+    assert_rel_close("decode o", decoded["recurrent"][0], decoded["fla"][0], FLA_TOL)
+    assert_rel_close("decode state", decoded["recurrent"][1], decoded["fla"][1], FLA_TOL)
 
 
 def test_fla_packed_and_decode_match_reference():

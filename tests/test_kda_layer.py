@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from k3.config import load_config
 from k3.model.cache import KDAState
 from k3.model.kda import KimiDeltaAttention
+from k3.ops.kda import activate_gate
 from tests.conftest import assert_rel_close
 
 TOL = 1e-5
@@ -86,13 +87,13 @@ def test_forget_gate_forms():
     lb = make_layer("lb")
     z = lb.f_b_proj(lb.f_a_proj(x)) + lb.dt_bias
     expected = -5.0 * torch.sigmoid(lb.A_log.exp().repeat_interleave(K) * z)
-    g = lb.forget_gate(x)
+    g = activate_gate(*lb.forget_gate(x))
     assert_rel_close("lower-bounded gate", expected.unflatten(-1, (H, K)), g, 1e-6)
     assert (g >= -5).all() and (g <= 0).all()  # (-5, 0) in exact arithmetic; sigmoid saturates in fp32
     sp = make_layer("softplus")
     z = sp.f_b_proj(sp.f_a_proj(x)) + sp.dt_bias
     expected = -sp.A_log.flatten().exp().repeat_interleave(K) * F.softplus(z)
-    assert_rel_close("softplus gate", expected.unflatten(-1, (H, K)), sp.forget_gate(x), 1e-6)
+    assert_rel_close("softplus gate", expected.unflatten(-1, (H, K)), activate_gate(*sp.forget_gate(x)), 1e-6)
 
 
 def test_matches_transformers_kimi_linear_layer():

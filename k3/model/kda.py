@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
@@ -30,7 +29,7 @@ from k3.model.cache import KDAState
 from k3.model.norm import RMSNorm
 from k3.model.precision import KeepsFP32
 from k3.ops.conv import causal_conv1d
-from k3.ops.kda import kda
+from k3.ops.kda import DecayGate, kda
 
 
 def a_log_shape(config: K3Config) -> tuple[int, ...]:
@@ -95,16 +94,11 @@ class KimiDeltaAttention(KeepsFP32):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] -> log-decay g [B, T, H, K] in fp32, g < 0."""
-        H, K = self.num_heads, self.head_dim
-        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        z = z.unflatten(-1, (H, K))
-        rate = self.A_log.float().reshape(H, 1).exp()
-        lb = self.config.gate_lower_bound
-        if lb is not None:
-            return lb * torch.sigmoid(rate * z)
-        return -rate * F.softplus(z)
+    def forget_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, DecayGate]:
+        """x [B, T, D] -> the gate's raw projections [B, T, H, K] and its parameters; the KDA op
+        activates them (`k3.ops.kda.gate`: in fla's kernels on CUDA, in fp32 torch elsewhere)."""
+        raw = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        return raw, DecayGate(self.A_log, self.dt_bias, self.config.gate_lower_bound)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                 state: KDAState | None = None) -> torch.Tensor:
@@ -122,15 +116,15 @@ class KimiDeltaAttention(KeepsFP32):
                                    activation="silu", impl=self._conv_impl)
         q, k, v = qkv.unflatten(-1, (3, H, K)).unbind(dim=2)  # each [B, T, H, K]
         beta = torch.sigmoid(self.b_proj(x).float())
-        g = self.forget_gate(x)
+        g_raw, decay = self.forget_gate(x)
         # Under no_grad (decode) the state is updated in place: it keeps its address for CUDA-graph
         # replay; under autograd it is replaced, keeping the graph through it intact.
         in_place = state is not None and not torch.is_grad_enabled()
-        o, final_state = kda(q, k, v, g, beta, scale=K ** -0.5,
+        o, final_state = kda(q, k, v, g_raw, beta, scale=K ** -0.5,
                              initial_state=None if state is None else state.recurrent,
                              output_final_state=state is not None, cu_seqlens=cu_seqlens,
                              impl=self.config.kda_impl, chunk_size=self.config.kda_chunk_size,
-                             update_state_in_place=in_place, normalize_qk=True)
+                             update_state_in_place=in_place, normalize_qk=True, gate=decay)
         if in_place:
             state.conv.copy_(tails)
         elif state is not None:

@@ -1,7 +1,7 @@
 """Kimi Delta Attention ops (SPEC §3): one entry point, three interchangeable backends.
 
     kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, impl, chunk_size,
-        update_state_in_place, normalize_qk)
+        update_state_in_place, normalize_qk, gate)
 
 Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same function:
 - "recurrent": token-by-token fp32 reference (`reference.py`); the CPU decode path (T == 1).
@@ -19,6 +19,8 @@ decode kernel writes it directly instead of allocating and copying.
 `normalize_qk=True` takes q and k before their L2 norm and normalizes them first: inside fla's
 kernels (the same formula and eps, in fp32, saving the fp32 copies of q and k and their passes
 through memory), in fp32 on the torch paths.
+`gate=DecayGate(...)` takes g before its activation (the raw gate projections, `k3.ops.kda.gate`)
+and activates it: inside fla's kernels, with `activate_gate` on the torch paths.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 from k3.ops import fla_kernels
 from k3.ops.kda import fla_backend
 from k3.ops.kda.chunk import kda_chunk
+from k3.ops.kda.gate import DecayGate, activate_gate
 from k3.ops.kda.inputs import l2_normalize
 from k3.ops.kda.reference import kda_recurrent
 from k3.ops.varlen import longest_sequence
@@ -54,6 +57,7 @@ def kda(
     chunk_size: int = 64,
     update_state_in_place: bool = False,
     normalize_qk: bool = False,
+    gate: DecayGate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
     if impl not in IMPLS:
@@ -70,10 +74,12 @@ def kda(
                   cu_seqlens=cu_seqlens)
     if impl != "fla" and normalize_qk:
         q, k = l2_normalize(q.float()), l2_normalize(k.float())
+    if impl != "fla" and gate is not None:
+        g = activate_gate(g, gate)
     if impl == "fla":
         o, final_state = fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
                                              update_state_in_place=update_state_in_place,
-                                             normalize_qk=normalize_qk)
+                                             normalize_qk=normalize_qk, gate=gate)
     elif impl == "recurrent":
         o, final_state = kda_recurrent(q, k, v, g, beta, **common)
     else:
@@ -98,4 +104,4 @@ def _announce(impl: str, device: str, dtype: torch.dtype) -> None:
     logger.info("ops.kda: %s (%s, %s)", impl, device, dtype)
 
 
-__all__ = ["kda", "kda_chunk", "kda_recurrent", "IMPLS"]
+__all__ = ["kda", "kda_chunk", "kda_recurrent", "DecayGate", "activate_gate", "IMPLS"]

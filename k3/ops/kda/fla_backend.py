@@ -3,12 +3,14 @@
 Same contract as the reference (`k3.ops.kda.inputs`), so the layer never knows which path ran.
 fla 0.6.0 options chosen to compute exactly our reference math (checked against
 fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
-- `g` arrives already activated (the layer computes the K3 lower-bounded or the Kimi-Linear
-  softplus gate in fp32), so `use_gate_in_kernel=False` and `safe_gate=False`: no in-kernel gate,
-  which also keeps clear of fla issue #1240 (prefix outputs depending on future gates with the
-  in-kernel safe gate, SPEC §3). q/k's L2 norm runs in the kernels with `normalize_qk`
-  (`use_qk_l2norm_in_kernel`: x / sqrt(sum x^2 + 1e-6) in fp32, our formula and eps); beta
-  arrives post-sigmoid: `use_beta_sigmoid_in_kernel=False`.
+- the gate: with a `DecayGate`, `g` arrives raw and fla activates it in-kernel
+  (`use_gate_in_kernel`, with `A_log` [H], `dt_bias` [H*K] and `lower_bound`: the same two forms as
+  `k3.ops.kda.gate`); otherwise `g` arrives activated. A lower-bounded gate (in [lb, 0), lb >= -5 by
+  config validation) also takes `safe_gate`, fla's M=16 TensorCore path for bounded gates; it
+  passed the GPU prefix-invariance check of fla issue #1240 (exactly 0, 2026-12-03) and its accuracy
+  is checked against the torch reference (bench/gpu_checks.py). q/k's L2 norm runs in the kernels
+  with `normalize_qk` (`use_qk_l2norm_in_kernel`: x / sqrt(sum x^2 + 1e-6) in fp32, our formula and
+  eps); beta arrives post-sigmoid: `use_beta_sigmoid_in_kernel=False`.
 - state layout: fla's default key-first [N, H, K, V] (`state_v_first=False`), fp32 as fla asserts.
 - `cu_seqlens` is fla's (FlashAttention) convention, the same as ours.
 - chunk_kda accepts chunk sizes 32 and 64 only; a smaller requested chunk runs at 64 (the chunk
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from k3.ops import fla_kernels
+from k3.ops.kda.gate import DecayGate
 from k3.ops.kda.inputs import check_kda_inputs
 from k3.ops.varlen import longest_sequence
 
@@ -44,6 +47,7 @@ def kda_fla(
     chunk_size: int = 64,
     update_state_in_place: bool = False,
     normalize_qk: bool = False,
+    gate: DecayGate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not q.is_cuda:
         raise ValueError(f"kda impl 'fla' runs on CUDA tensors only, got device {q.device}")
@@ -60,10 +64,13 @@ def kda_fla(
     q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.float()
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, g, beta, initial_state) if t is not None)
+    inputs = (q, k, v, g, beta, initial_state) + ((gate.A_log, gate.dt_bias) if gate is not None else ())
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs if t is not None)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=normalize_qk)
+    if gate is not None:
+        common.update(use_gate_in_kernel=True, A_log=gate.A_log.float().reshape(-1),
+                      dt_bias=gate.dt_bias.float(), lower_bound=gate.lower_bound)
     decode = longest_sequence(q.shape[1], cu_seqlens) == 1 and not needs_grad
     if decode and update_state_in_place:
         # writes into initial_state (the caller's, as k3.ops.kda checked it is contiguous fp32);
@@ -73,10 +80,7 @@ def kda_fla(
     elif decode:
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
-        # gate and beta arrive activated, the state key-first [N, H, K, V]. The in-kernel safe gate
-        # passed the GPU prefix-invariance check (fla issue #1240) on 2026-12-03; it stays off until
-        # its accuracy check has run too (docs/BENCHMARKS.md, runs 4-7).
-        o, state = chunk_kda(q, k, v, g, beta, **common, use_gate_in_kernel=False,
-                             use_beta_sigmoid_in_kernel=False, safe_gate=False, state_v_first=False,
-                             chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
+        bounded = gate is not None and gate.lower_bound is not None
+        o, state = chunk_kda(q, k, v, g, beta, **common, use_beta_sigmoid_in_kernel=False, safe_gate=bounded,
+                             state_v_first=False, chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
     return o, state if output_final_state else None
