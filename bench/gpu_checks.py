@@ -17,7 +17,7 @@ cannot take the others down):
           safe_gate for K3's bounded gate) vs k3's torch chunk reference: bf16 inputs, both gate
           forms, packed (cu_seqlens) with initial states, prefix invariance (fla issue #1240); fp32
           through "auto" (the torch chunk path on CUDA) vs the recurrent reference; the causal short
-          conv, fla vs torch, packed with tails.
+          conv, fla vs torch, packed with tails; the output norm-gate, fla vs torch.
 - layers: KimiDeltaAttention on CUDA vs the same layer on CPU fp32; gated MLA bf16 naive and
           absorbed with a cache vs fp32; a whole k3-tiny-shaped model, bf16 CUDA logits vs fp32
           CPU, and decode = prefill on CUDA.
@@ -54,6 +54,7 @@ from k3.model.transformer import K3ForCausalLM  # noqa: E402
 from k3.ops import fla_kernels  # noqa: E402
 from k3.ops.conv import causal_conv1d  # noqa: E402
 from k3.ops.kda import DecayGate, kda  # noqa: E402
+from k3.ops.norm_gate import rms_norm_gated  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 from tests.test_kda_ops import make_gate, make_inputs  # noqa: E402
 
@@ -279,6 +280,23 @@ def conv_vs_reference(c: Checker, dtype: torch.dtype) -> None:
         c.compare(f"{name} {part}", ref, out, FP32 if fp32 else BF16)
 
 
+def norm_gate_vs_reference(c: Checker, dtype: torch.dtype) -> None:
+    """KDA's output norm-gate as "auto" runs it (fla's kernel on CUDA) in `dtype` vs the torch
+    reference in fp32 on the same values upcast: outputs and the gradients of o, gate and weight."""
+    H, K = c.config.kda_num_heads, c.config.kda_head_dim
+    T = 50 if c.smoke else 3000
+    inputs = [c.randn(2, T, H, K).to(dtype), c.randn(2, T, H, K).to(dtype), 0.5 + torch.rand(K, device=c.device)]
+    dy = c.randn(2, T, H, K)
+    runs = []
+    for impl, run_dtype in (("torch", torch.float32), ("auto", dtype)):
+        leaves = [t.detach().to(run_dtype if i < 2 else torch.float32).requires_grad_() for i, t in enumerate(inputs)]
+        y = rms_norm_gated(*leaves, eps=c.config.rms_norm_eps, impl=impl)
+        runs.append((y, *torch.autograd.grad((y.float() * dy).sum(), leaves)))
+    name = f"norm-gate[auto] {str(dtype).removeprefix('torch.')} T{T} vs torch fp32"
+    for part, ref, out in zip(("y", "do", "dgate", "dweight"), *runs):
+        c.compare(f"{name} {part}", ref, out, FP32 if dtype == torch.float32 else BF16)
+
+
 def checks_kda(c: Checker) -> None:
     lengths = [1, 5, 20] if c.smoke else [1, 63, 64, 200, 672]  # awkward: 1, odd, one chunk, partial
     c.run("kda bf16", lambda: kda_vs_reference(c, torch.bfloat16, "lb"), 40)
@@ -289,6 +307,8 @@ def checks_kda(c: Checker) -> None:
     c.run("kda fp32", lambda: kda_vs_reference(c, torch.float32, "lb"), 40)
     c.run("causal conv bf16", lambda: conv_vs_reference(c, torch.bfloat16), 15)
     c.run("causal conv fp32", lambda: conv_vs_reference(c, torch.float32), 15)
+    c.run("norm-gate bf16", lambda: norm_gate_vs_reference(c, torch.bfloat16), 10)
+    c.run("norm-gate fp32", lambda: norm_gate_vs_reference(c, torch.float32), 10)
 
 
 # ----------------------------------------------------------------------------- (b, c, e) layers and model

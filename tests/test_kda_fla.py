@@ -8,6 +8,7 @@ import torch
 from k3.model.kda import KimiDeltaAttention
 from k3.ops import fla_kernels
 from k3.ops.conv import causal_conv1d
+from k3.ops.norm_gate import rms_norm_gated
 from k3.ops.kda import DecayGate, activate_gate, kda
 from tests.conftest import assert_rel_close
 from tests.test_kda_layer import make_layer, random_state, clone_state
@@ -168,3 +169,19 @@ def test_fla_conv_matches_torch_conv_packed_with_tails(dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for name, ref, out in zip(("y", "tails", "dx", "dweight", "dh0"), results["torch"], results["fla"]):
         assert_rel_close(name, ref.float(), out.float(), tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_norm_gate_matches_torch(dtype):
+    o, gate = (torch.randn(2, 70, 3, 64, device="cuda", dtype=dtype) for _ in range(2))
+    weight = 0.5 + torch.rand(64, device="cuda")
+    leaves = {impl: [t.detach().clone().requires_grad_() for t in (o, gate, weight)] for impl in ("torch", "fla")}
+    dy = torch.randn(2, 70, 3, 64, device="cuda")
+    out = {}
+    for impl, ts in leaves.items():
+        y = rms_norm_gated(*ts, eps=1e-5, impl=impl)
+        out[impl] = (y, *torch.autograd.grad((y.float() * dy).sum(), ts))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, ref, got in zip(("y", "do", "dgate", "dweight"), out["torch"], out["fla"]):
+        assert got.dtype == ref.dtype
+        assert_rel_close(name, ref.float(), got.float(), tol)

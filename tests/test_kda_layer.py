@@ -206,3 +206,16 @@ def test_state_shape_errors():
         layer(x, state=KDAState(torch.zeros(2, 3 * H * K, 3), torch.zeros(2, H, K, K + 1)))
     with pytest.raises(ValueError, match="state.conv"):
         layer(x, state=KDAState.empty(layer.config, 3))
+
+
+def test_norm_gate_op_is_the_official_formula_and_checks_its_inputs():
+    from k3.ops.norm_gate import rms_norm_gated
+
+    o, gate, weight = torch.randn(2, 5, 3, 16), torch.randn(2, 5, 3, 16), torch.rand(16) + 0.5
+    expected = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * weight * torch.sigmoid(gate)
+    assert_rel_close("norm-gate", expected, rms_norm_gated(o, gate, weight, eps=1e-5), 1e-6)
+    assert rms_norm_gated(o.bfloat16(), gate.bfloat16(), weight, eps=1e-5).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="gate must have o's shape"):
+        rms_norm_gated(o, gate[..., :8], weight, eps=1e-5)
+    with pytest.raises(ValueError, match="impl"):
+        rms_norm_gated(o, gate, weight, eps=1e-5, impl="triton")

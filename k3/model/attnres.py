@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.model.norm import RMSNorm, rms_normalize
+from k3.model.norm import RMSNorm
+from k3.ops.rms_norm import rms_normalize
 
 
 class BlockSource:

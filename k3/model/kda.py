@@ -30,6 +30,7 @@ from k3.model.norm import RMSNorm
 from k3.model.precision import KeepsFP32
 from k3.ops.conv import causal_conv1d
 from k3.ops.kda import DecayGate, kda
+from k3.ops.norm_gate import rms_norm_gated
 
 
 def a_log_shape(config: K3Config) -> tuple[int, ...]:
@@ -69,11 +70,11 @@ class KimiDeltaAttention(KeepsFP32):
         else:
             self.g_a_proj = nn.Linear(D, K, bias=False)
             self.g_b_proj = nn.Linear(K, C, bias=False)
-        self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
+        self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)  # its weight and eps; k3.ops.norm_gate applies it
         self.o_proj = nn.Linear(C, D, bias=False)
-        # The short conv follows the KDA op's choice: fla's kernels together, or the torch paths
-        # together (a forced torch KDA path is a reference run; its conv should be one too).
-        self._conv_impl = {"auto": "auto", "fla": "fla"}.get(config.kda_impl, "torch")
+        # The short conv and the output norm-gate follow the KDA op's choice: fla's kernels together,
+        # or the torch paths together (a forced torch KDA path is a reference run; so are they).
+        self._kernel_impl = {"auto": "auto", "fla": "fla"}.get(config.kda_impl, "torch")
         self.reset_parameters()
 
     @torch.no_grad()
@@ -113,7 +114,7 @@ class KimiDeltaAttention(KeepsFP32):
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         qkv, tails = causal_conv1d(qkv, conv_weight, initial_state=None if state is None else state.conv,
                                    cu_seqlens=cu_seqlens, output_final_state=state is not None,
-                                   activation="silu", impl=self._conv_impl)
+                                   activation="silu", impl=self._kernel_impl)
         q, k, v = qkv.unflatten(-1, (3, H, K)).unbind(dim=2)  # each [B, T, H, K]
         beta = torch.sigmoid(self.b_proj(x).float())
         g_raw, decay = self.forget_gate(x)
@@ -132,7 +133,8 @@ class KimiDeltaAttention(KeepsFP32):
             state.recurrent = final_state
         gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         # Official order: normalize, multiply the norm weight, then the sigmoid gate, all in fp32.
-        o = self.o_norm(o.float()) * torch.sigmoid(gate.float().unflatten(-1, (H, K)))
+        o = rms_norm_gated(o, gate.unflatten(-1, (H, K)), self.o_norm.weight, eps=self.o_norm.eps,
+                           impl=self._kernel_impl)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
     def _check_state(self, state: KDAState, num_seqs: int) -> None:

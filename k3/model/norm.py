@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.ops.rms_norm import rms_normalize
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -23,8 +25,3 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight (the AttnRes key normalization, SPEC §5)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
