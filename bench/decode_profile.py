@@ -1,9 +1,12 @@
 """Where a decode step's time goes: torch.profiler over a few k3-1b decode steps on one GPU.
 
     python bench/decode_profile.py [--batch 1] [--context 1024] [--variant hybrid|all-MLA]
+                                   [--modes eager,graph,graph+compile]
 
-Profiles eager steps (host launch overhead visible as the gap between CPU and CUDA totals) and
-CUDA-graph replays (GPU time only), and prints the kernels by total CUDA time, a short table last.
+Profiles eager steps (host launch overhead visible as the gap between CPU and CUDA totals),
+CUDA-graph replays (GPU time only) and replays of the model with its regions compiled
+(k3.model.regional_compile, as bench/gpu_bench.py's "graph+compile" rows), and prints the kernels
+by CUDA time, a short table last.
 """
 from __future__ import annotations
 
@@ -15,9 +18,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernel_profile import print_kernel_tables  # noqa: E402
 from bench.gpu_bench import all_mla, decode_step, random_cache  # noqa: E402
 from k3.config import load_config  # noqa: E402
+from k3.model.regional_compile import compile_regions  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
+
+MODES = ("eager", "graph", "graph+compile")  # in this order: the last compiles the model in place
 
 
 @torch.no_grad()
@@ -27,6 +34,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--variant", choices=("hybrid", "all-MLA"), default="hybrid")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--modes", default=",".join(MODES))
     args = ap.parse_args()
     device = torch.device("cuda")
     cfg = load_config("k3-1b").replace(mla_impl="absorb")
@@ -34,10 +42,15 @@ def main() -> None:
     with torch.device(device):
         model = K3ForCausalLM(cfg).to(torch.bfloat16).eval()
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, 1), device=device)
-    for mode in ("eager", "graph"):
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        ap.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
+    for mode in [m for m in MODES if m in args.modes.split(",")]:
+        if mode == "graph+compile":
+            compile_regions(model)  # in place: it is the last mode
         cache = random_cache(cfg, args.batch, args.context, device, torch.bfloat16,
                              capacity=args.context + 4 * args.steps)
-        step = decode_step(model, cache, graphed=mode == "graph")
+        step = decode_step(model, cache, graphed=mode != "eager")
         for _ in range(2):
             tokens.copy_(step(tokens).argmax(-1, keepdim=True))
         torch.cuda.synchronize()
@@ -45,16 +58,7 @@ def main() -> None:
             for _ in range(args.steps):
                 tokens.copy_(step(tokens).argmax(-1, keepdim=True))
             torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        events.sort(key=lambda e: e.device_time_total, reverse=True)
-        total_us = sum(e.self_device_time_total for e in events)
-        print(f"\n### {mode}: {args.variant} B{args.batch} ctx{args.context}, {args.steps} steps, "
-              f"CUDA self time {total_us / args.steps / 1e3:.3f} ms/step")
-        print("| op / kernel | calls/step | CUDA ms/step (self) |")
-        print("|---|---|---|")
-        for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:14]:
-            print(f"| {e.key[:90]} | {e.count / args.steps:.0f} | {e.self_device_time_total / args.steps / 1e3:.3f} |")
-
+        print_kernel_tables(prof, args.steps, f"{mode}: {args.variant} B{args.batch} ctx{args.context}")
 
 if __name__ == "__main__":
     main()

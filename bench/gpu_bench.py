@@ -58,7 +58,7 @@ from k3.model.params import count_parameters  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
 from k3.ops import fla_kernels  # noqa: E402
 from k3.ops.kda import DecayGate, kda  # noqa: E402
-from k3.train.compile import compile_regions  # noqa: E402
+from k3.model.regional_compile import compile_regions  # noqa: E402
 
 Record = Callable[[dict], None]
 GB = 1e9
@@ -115,11 +115,10 @@ def bench_train(device: torch.device, smoke: bool, known: dict, record: Record, 
                "bf16 autocast, fp32 weights, fused AdamW" + ("; per-expert loop forced" if forced_loop else ""))
 
 
-def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float, note: str) -> None:
-    cfg = load_config("k3-tiny" if smoke else "k3-1b")
-    T = 64 if smoke else 4096
+def training_step(cfg: K3Config, device: torch.device):
+    """The benchmarked step: bf16 autocast over fp32 master weights, next-token loss, fused AdamW."""
     with torch.device(device):  # initialize on the device: 1.4B parameters initialize slowly on a CPU
-        model = K3ForCausalLM(cfg).train()  # fp32 master weights
+        model = K3ForCausalLM(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
     def step(ids: torch.Tensor) -> None:
@@ -128,6 +127,14 @@ def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadl
         F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return model, opt, step
+
+
+def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float, note: str) -> None:
+    cfg = load_config("k3-tiny" if smoke else "k3-1b")
+    T = 64 if smoke else 4096
+    model, opt, step = training_step(cfg, device)
 
     def batch(b: int) -> torch.Tensor:
         return torch.randint(0, cfg.vocab_size, (b, T + 1), device=device)
@@ -194,7 +201,7 @@ def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadl
                       "flops_per_token": flops, "note": note + detail})
 
     measure("eager", step_s)
-    # Regional torch.compile (k3/train/compile.py), as `k3 train --compile` runs; the first steps compile.
+    # Regional torch.compile (k3/model/regional_compile.py), as `k3 train --compile` runs; the first steps compile.
     compile_regions(model, backend="eager" if smoke else "inductor")
     _free(device)
     t0 = time.monotonic()
@@ -285,7 +292,7 @@ def kda_cases(cfg: K3Config, T: int, device: torch.device, fla: bool) -> list[Ca
     if fla:
         cases.append(Case("fla.layers.KimiDeltaAttention layer",
                           lambda: _layer(_fla_layer(cfg).to(device, bf16), x(), pick=lambda out: out[0]), 0.0, False))
-    if device.type == "cuda":  # what `k3 train --compile` runs (k3/train/compile.py); compiles per length
+    if device.type == "cuda":  # what `k3 train --compile` runs (k3/model/regional_compile.py); compiles per length
         cases.append(Case(f"k3 KimiDeltaAttention layer [{impl}] compiled",
                           lambda: _layer(_compiled(KimiDeltaAttention(cfg, 0).to(device, bf16)), x()), 0.0, False))
     cases += [
@@ -472,20 +479,31 @@ def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record,
                       "bytes": moved})
         return True
 
-    # In order of what the targets need, as the time budget may end the list: CUDA-graph replay over
-    # the whole grid; then the same with the regions compiled (k3/train/compile.py: each layer's
-    # mixer and FFN and the AttnRes reads), which fuses the small kernels that dominate a small
-    # model's decode step; then eager at batch 1 (where launch overhead shows most).
-    grid = [(v, b, c) for c in contexts for b in batches for v in models]
+    # Where the all-MLA cache of the largest batch is over the allowance (128K at B 64), also the
+    # largest power-of-two batch at which both variants fit: the hybrid / all-MLA ratio needs a pair.
+    def both_fit(batch: int, context: int) -> bool:
+        return all(cache_bytes(m.config, batch, context, 2) <= budget_bytes for m in models.values())
+
+    grid = []
+    for c in contexts:
+        sizes = list(batches)
+        if not both_fit(sizes[-1], c):
+            sizes.insert(-1, max((2 ** i for i in range(int(math.log2(sizes[-1]))) if both_fit(2 ** i, c)), default=1))
+        grid += [(v, b, c) for b in dict.fromkeys(sizes) for v in models]
     if device.type != "cuda":
         all(case(variant, batch, context, "eager") for variant, batch, context in grid)
         return
-    if not all(case(variant, batch, context, "graph") for variant, batch, context in grid):
-        return
+    # In order of what the targets need, as the time budget may end the list: CUDA-graph replay of
+    # the model with its regions compiled (k3/model/regional_compile.py: each layer's mixer and FFN
+    # and the AttnRes reads, which fuses the small kernels that dominate a small model's decode
+    # step) over the whole grid; then uncompiled replay; then eager at batch 1 (where launch
+    # overhead shows most).
     compiled = {variant: copy.deepcopy(model) for variant, model in models.items()}
     for model in compiled.values():
         compile_regions(model)
     if not all(case(variant, batch, context, "graph+compile") for variant, batch, context in grid):
+        return
+    if not all(case(variant, batch, context, "graph") for variant, batch, context in grid):
         return
     all(case(variant, 1, context, "eager") for context in contexts for variant in models)
 

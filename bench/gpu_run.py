@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # bench.* and k3.* import from the checkout
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,6 @@ MARGIN_S = 5  # a child stops starting work this long before it would be killed
 # ----------------------------------------------------------------------------- child side
 def run_section(name: str, out: Path, smoke: bool, seconds: float) -> None:
     """Runs in the child process: one section, records appended to out/records.jsonl."""
-    sys.path.insert(0, str(REPO))
     import torch
 
     deadline = time.monotonic() + seconds
@@ -296,11 +296,13 @@ def _bench_tables(entries: list[dict]) -> list[str]:
                   key := (e["batch"], e["context"], e.get("mode"))) in mla else ""] for e in dec])]
     serve = [e for e in entries if e.get("bench") == "serve" and e.get("status") == "ok"]
     if serve:
+        from bench.serve import K3_MODES, agreement_summary  # here: the rest of this file needs no torch
+
         rows = []
         for e in serve:
-            for mode, label in (("graphs", "k3 engine, CUDA graphs"), ("eager", "k3 engine, eager")):
+            for mode, label in K3_MODES.items():
                 if f"k3_{mode}_tokens_per_s" in e:
-                    rows.append([e["name"], e["dtype"], label, e["hf_tokens_per_s"], e[f"k3_{mode}_tokens_per_s"],
+                    rows.append([e["name"], e["dtype"], f"k3 engine, {label}", e["hf_tokens_per_s"], e[f"k3_{mode}_tokens_per_s"],
                                  f"{e[f'k3_{mode}_throughput_ratio']:.2f}x", e["hf_ttft_s"], e[f"k3_{mode}_ttft_s"],
                                  f"{e[f'k3_{mode}_agreement_with_hf']:.1%}"])
         out += ["### Serving engine vs HF transformers generate (greedy, same weights)", _table(
@@ -308,8 +310,7 @@ def _bench_tables(entries: list[dict]) -> list[str]:
              "greedy agreement with HF"], rows)]
         out += [f"{e['name']}: prefill logits vs HF fp32 (same device): HF {e['dtype']} {e['hf_prefill_rel_err']:.2e}, "
                 f"k3 {e['dtype']} {e['k3_prefill_rel_err']:.2e}"
-                + (f"; CUDA-graph tokens equal to eager: {e['graphs_agreement_with_eager']:.1%}"
-                   if "graphs_agreement_with_eager" in e else "") for e in serve]
+                + agreement_summary(e) for e in serve]
     moe = [e for e in entries if e.get("bench") == "moe" and e.get("status") == "ok"]
     if moe:
         out += ["### Routed experts (bf16)", _table(["case", "ms", "TFLOP/s"],

@@ -9,8 +9,9 @@ untimed warm-up run of the same work (kernel compilation and autotuning are not 
 batch is uniform-length (no padding needed). TTFT for HF is its batched prefill + first token
 (`max_new_tokens=1`); for k3 it is the mean over requests of arrival -> first token under
 continuous batching. On CUDA both use fla's KDA kernels (transformers picks them up when
-flash-linear-attention is installed), and the k3 engine runs twice: replaying decode batches from
-CUDA graphs (its default) and eagerly; their tokens must agree exactly.
+flash-linear-attention is installed), and the k3 engine runs three ways: replaying decode batches from
+CUDA graphs (its default), the same with each layer's mixer and FFN compiled (`k3 serve --compile`),
+and eagerly.
 
 Correctness alongside: the prefill logits of HF and of k3 in the bench dtype, each against HF's
 fp32 forward on the same device (the reference implementation). Prints a short table last.
@@ -18,6 +19,7 @@ fp32 forward on the same device (the reference implementation). Prints a short t
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import platform
 import sys
@@ -30,6 +32,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3.model.checkpoint import load_pretrained  # noqa: E402
+from k3.model.regional_compile import compile_regions  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
@@ -66,6 +69,10 @@ def kimi_linear(vocab: int, size: str = "tiny") -> transformers.KimiLinearForCau
             if p.dim() >= 2:
                 p.normal_(0, 0.05 if size == "tiny" else 0.02)
     return model
+
+
+# the engine's configurations the bench runs (on CUDA; eager only on CPU), as the tables label them
+K3_MODES = {"graphs+compile": "CUDA graphs, compiled regions", "graphs": "CUDA graphs", "eager": "eager"}
 
 
 def _sync(device: torch.device) -> None:
@@ -142,10 +149,17 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
     hf_rel, hf_first = logits_error(reference, hf, probe.to(device), lambda out: out.logits)
     k3_rel, k3_first = logits_error(reference, ours, probe.to(device), lambda out: out)
     budget = prompts * prompt_len
-    modes = {"graphs": True, "eager": False} if device.type == "cuda" else {"eager": False}
+    # mode -> (model, CUDA graphs); the compiled copy is compiled once (`k3 serve --compile` does
+    # this at start), so the warm-up round's compilation is not measured
+    modes = {"eager": (ours, False)}
+    if device.type == "cuda":
+        compiled = copy.deepcopy(ours)
+        compile_regions(compiled)
+        modes = {"graphs+compile": (compiled, True), "graphs": (ours, True), **modes}
     for _ in range(1 + warmup):  # the last round is the measured one
         hf_ttft, hf_time, hf_out = bench_hf(hf, ids.to(device), new_tokens)
-        k3 = {mode: bench_k3(ours, ids.tolist(), new_tokens, budget, graphs) for mode, graphs in modes.items()}
+        k3 = {mode: bench_k3(model, ids.tolist(), new_tokens, budget, graphs)
+              for mode, (model, graphs) in modes.items()}
     n = prompts * new_tokens
     result = {"hf_tokens_per_s": n / hf_time, "hf_ttft_s": hf_ttft, "dtype": str(dtype).removeprefix("torch."),
               "hf_prefill_rel_err": hf_rel, "hf_first_token_agreement": hf_first,
@@ -155,9 +169,15 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
         result[f"k3_{mode}_ttft_s"] = ttft
         result[f"k3_{mode}_throughput_ratio"] = hf_time / elapsed
         result[f"k3_{mode}_agreement_with_hf"] = agreement(hf_out, out)
-    if "graphs" in k3:
-        result["graphs_agreement_with_eager"] = agreement(k3["eager"][2], k3["graphs"][2])
+    for mode in ("graphs", "graphs+compile"):
+        if mode in k3:
+            result[f"{mode}_agreement_with_eager"] = agreement(k3["eager"][2], k3[mode][2])
     return result
+
+
+def agreement_summary(result: dict) -> str:
+    return "".join(f"; k3 {mode} tokens equal to eager: {result[f'{mode}_agreement_with_eager']:.1%}"
+                   for mode in K3_MODES if f"{mode}_agreement_with_eager" in result)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -195,15 +215,14 @@ def main() -> None:
     cmd = "python bench/serve.py " + " ".join(sys.argv[1:])
     table = ["| engine | tokens/s | TTFT (s) | vs HF | greedy agreement with HF |", "|---|---|---|---|---|",
              f"| HF transformers generate | {r['hf_tokens_per_s']:.1f} | {r['hf_ttft_s']:.3f} | 1.00x | |"]
-    for mode in ("graphs", "eager"):
+    for mode, label in K3_MODES.items():
         if f"k3_{mode}_tokens_per_s" in r:
-            table.append(f"| k3 engine ({'CUDA graphs' if mode == 'graphs' else 'eager'}) | "
+            table.append(f"| k3 engine ({label}) | "
                          f"{r[f'k3_{mode}_tokens_per_s']:.1f} | {r[f'k3_{mode}_ttft_s']:.3f} | "
                          f"{r[f'k3_{mode}_throughput_ratio']:.2f}x | {r[f'k3_{mode}_agreement_with_hf']:.1%} |")
     summary = (f"prefill logits vs HF fp32: HF {r['dtype']} {r['hf_prefill_rel_err']:.2e}, "
                f"k3 {r['dtype']} {r['k3_prefill_rel_err']:.2e}")
-    if "graphs_agreement_with_eager" in r:
-        summary += f"; k3 CUDA-graph tokens equal to eager: {r['graphs_agreement_with_eager']:.1%}"
+    summary += agreement_summary(r)
     if args.record:
         with open(args.record, "a") as f:
             f.write(f"\n## serve: k3 engine vs HF generate ({datetime.date.today()})\n\n"

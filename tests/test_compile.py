@@ -1,4 +1,4 @@
-"""Regional compilation (k3/train/compile.py) traces every mixer and FFN kind and changes nothing.
+"""Regional compilation (k3/model/regional_compile.py) traces every mixer and FFN kind and changes nothing.
 
 Traced with the "eager" backend (dynamo only): it checks that the graphs capture and agree, in
 seconds; inductor's code generation is exercised on the GPU (bench/gpu_bench.py, train).
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
-from k3.train.compile import compile_regions
+from k3.model.regional_compile import compile_regions
 from tests.conftest import assert_rel_close
 
 
@@ -27,7 +27,7 @@ def test_compiled_regions_match_eager():
     model = K3ForCausalLM(load_config("k3-tiny")).train()
     compiled = copy.deepcopy(model)
     regions = compile_regions(compiled, backend="eager")
-    assert len(regions) == 2 * model.config.num_hidden_layers
+    assert len(regions) == 4 * model.config.num_hidden_layers + 1  # norm, mixer, norm, FFN; final norm
     ids = torch.randint(0, model.config.vocab_size, (2, 33))
     loss_ref, grads_ref = _loss_and_grads(model, ids)
     loss, grads = _loss_and_grads(compiled, ids)

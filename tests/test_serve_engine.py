@@ -6,6 +6,7 @@ recapture when the batch changes or its MLA buffers fill) is exact, with the gra
 on CPU; short prompts hit on resend; a 10-turn chat reuses its previous turns."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 
@@ -93,6 +94,14 @@ def test_greedy_matches_generate(model, prompts, reference, prefix_caching, budg
     if prefix_caching:
         assert engine.cache.stats.hit_tokens > 0
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+def test_compiled_regions_change_no_token(model, prompts, reference):
+    """EngineConfig.compile traces the mixers, FFNs and AttnRes reads (the eager backend keeps this
+    fast on CPU: what is checked is that serving through dynamo's graphs, prefill and decode, with
+    every batch shape the scheduler makes, yields the same tokens)."""
+    engine = LLMEngine(copy.deepcopy(model), EngineConfig(block_size=4, hash_block_size=8, compile="eager"))
+    assert engine.generate(prompts, GREEDY) == reference
 
 
 def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, prompts):

@@ -67,10 +67,12 @@ class RoutedExperts(nn.Module):
             gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
             up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(self.act(gate, up), w2.transpose(-2, -1), offs=offs)
+        # unbind, not w[e]: the backward of E selects is E zero-filled [E, ...] gradients summed
+        # (O(E^2) bytes per bank), of one unbind a single stack
         outs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):
+        for chunk, w1_e, w3_e, w2_e in zip(x.split(counts.tolist()), w1.unbind(0), w3.unbind(0), w2.unbind(0)):
             if chunk.shape[0]:
-                outs.append(F.linear(self.act(F.linear(chunk, w1[e]), F.linear(chunk, w3[e])), w2[e]))
+                outs.append(F.linear(self.act(F.linear(chunk, w1_e), F.linear(chunk, w3_e)), w2_e))
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ class K3DecoderLayer(nn.Module):
         if config.attn_res_block_size is not None:
             self.self_attention_res_proj, self.self_attention_res_norm = new_attn_res_pair(D, eps)
             self.mlp_res_proj, self.mlp_res_norm = new_attn_res_pair(D, eps)
-            self.attn_res_read = attn_res_read  # k3.train.compile swaps in a compiled read
+            self.attn_res_read = attn_res_read  # k3.model.regional_compile swaps in a compiled read
 
     def mixer(self, h: torch.Tensor, cu_seqlens, state) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=state)

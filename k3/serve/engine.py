@@ -26,6 +26,7 @@ from typing import AsyncIterator
 
 from tokenizers import Tokenizer
 
+from k3.model.regional_compile import compile_regions
 from k3.serve.cache_manager import CacheManager
 from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.page_layout import PageLayout
@@ -61,6 +62,9 @@ class EngineConfig:
     max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay lasting decode batches from CUDA graphs (CUDA + grouped_mm experts only)
+    # torch.compile backend for each layer's mixer, FFN and AttnRes reads (k3.model.regional_compile), or
+    # None; "inductor" fuses the small kernels of a decode step (the first steps of each shape compile)
+    compile: str | None = None
     seed: int | None = None
 
 
@@ -79,6 +83,8 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.model = model.eval()
+        if config.compile:
+            compile_regions(model, backend=config.compile)
         dtype = next(model.parameters()).dtype
         self.layout = PageLayout.from_config(model.config, config.block_size, dtype)
         num_pages = config.cache_bytes // self.layout.page_bytes

@@ -65,7 +65,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     balance: str = "quantile"  # quantile | histogram | sign | none
     qat: bool = False  # MXFP4/MXFP8 quantization-aware training of the routed experts (k3.quant.qat)
-    compile: bool = False  # torch.compile mixers, FFNs and AttnRes reads (k3.train.compile); for CUDA runs
+    compile: bool = False  # torch.compile mixers, FFNs and AttnRes reads (k3.model.regional_compile); for CUDA runs
     val_fraction: float = 0.02  # the bundled corpus: 1 of 42 works
     eval_every: int = 100
     eval_windows: int = 16  # windows of the periodic eval; the final eval reads all of val
@@ -192,7 +192,7 @@ class Trainer:
         self.params = count_parameters(self.config)
         self.model = shard_model(model, self.world) if self.world.distributed else model
         if settings.compile:  # after sharding, as torchtitan orders it: FSDP2 hooks stay outside the graphs
-            from k3.train.compile import compile_regions
+            from k3.model.regional_compile import compile_regions
 
             compile_regions(model)
         self.optimizer = PerHeadMuon(param_groups(self.model, self.config, weight_decay=settings.weight_decay),

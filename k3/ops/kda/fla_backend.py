@@ -3,10 +3,9 @@
 Same contract as the reference (`k3.ops.kda.inputs`), so the layer never knows which path ran.
 fla 0.6.0 options chosen to compute exactly our reference math (checked against
 fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
-- the gate: with a K3 (lower-bounded) `DecayGate`, `g` arrives raw and fla activates it in-kernel
-  (`use_gate_in_kernel`, with `A_log` [H], `dt_bias` [H*K] and `lower_bound`: the formula of
-  `k3.ops.kda.gate`); Kimi Linear's softplus gate is activated in torch first (see kda_fla), and
-  without a gate `g` arrives activated. A lower-bounded gate (in [lb, 0), lb >= -5 by
+- the gate: with a `DecayGate`, `g` arrives raw and fla activates it in-kernel
+  (`use_gate_in_kernel`, with `A_log` [H], `dt_bias` [H*K] and `lower_bound`: the same two forms as
+  `k3.ops.kda.gate`); otherwise `g` arrives activated. A lower-bounded gate (in [lb, 0), lb >= -5 by
   config validation) also takes `safe_gate`, fla's M=16 TensorCore path for bounded gates; it
   passed the GPU prefix-invariance check of fla issue #1240 (exactly 0, 2026-12-03) and its accuracy
   is checked against the torch reference (bench/gpu_checks.py). q/k's L2 norm runs in the kernels
@@ -27,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from k3.ops import fla_kernels
-from k3.ops.kda.gate import DecayGate, activate_gate
+from k3.ops.kda.gate import DecayGate
 from k3.ops.kda.inputs import check_kda_inputs
 from k3.ops.varlen import longest_sequence
 
@@ -69,11 +68,6 @@ def kda_fla(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs if t is not None)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=normalize_qk)
-    if gate is not None and gate.lower_bound is None:
-        # Kimi Linear's softplus gate is activated here, not in-kernel: on an H200 (2026-12-03, fla
-        # 0.6.0) the in-kernel softplus gate's A_log gradient was 1.15e-2 from the fp32 reference,
-        # where the torch chunk path in bf16 loses 1.6e-3..3.9e-3 on the same inputs
-        g, gate = activate_gate(g, gate), None
     if gate is not None:
         common.update(use_gate_in_kernel=True, A_log=gate.A_log.float().reshape(-1),
                       dt_bias=gate.dt_bias.float(), lower_bound=gate.lower_bound)

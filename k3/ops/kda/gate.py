@@ -3,12 +3,11 @@
     K3 (lower_bound lb):  g = lb * sigmoid(exp(A_log) * (raw + dt_bias))   in (lb, 0)
     Kimi Linear:          g = -exp(A_log) * softplus(raw + dt_bias)         in (-inf, 0)
 
-`activate_gate` is the readable reference; the torch KDA paths run it before the op. For K3's
-lower-bounded form, fla's kernels compute the same expression inside `chunk_kda` /
-`fused_recurrent_kda` (`use_gate_in_kernel` with `lower_bound`, fla-core 0.6.0
-`fla/ops/kda/gate.py`), so on CUDA that fp32 gate is never written to memory and its backward
-(into raw, A_log and dt_bias) comes from the kernels. The softplus form goes through
-`activate_gate` on every path (fla's in-kernel softplus backward was less accurate: fla_backend.py).
+`activate_gate` is the readable reference; the torch KDA paths run it before the op. fla's kernels
+compute the same expressions inside `chunk_kda` / `fused_recurrent_kda` (`use_gate_in_kernel`,
+fla-core 0.6.0 `fla/ops/kda/gate.py`: the lower-bounded form when `lower_bound` is set, softplus
+otherwise), so on CUDA the fp32 gate is never written to memory, and its backward (into raw,
+A_log and dt_bias) comes from the kernels.
 """
 from __future__ import annotations
 

@@ -1,0 +1,59 @@
+"""The tables bench/train_profile.py and bench/decode_profile.py print from a torch.profiler run:
+GPU time per kernel, per kind of kernel (which part of the model a kernel serves), and per aten op
+and input shapes (which tensors the time goes to; needs `record_shapes=True`)."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+# Kernel name fragments -> kind, first match wins: what a reader needs to see where a step goes.
+KINDS = (
+    ("KDA (fla chunk / recurrent / conv / norm-gate kernels)",
+     ("kda", "chunk_", "gated_delta", "fused_recurrent", "causal_conv", "wy_", "solve_tril", "layer_norm",
+      "rms_norm", "l2norm", "cumsum")),
+    ("attention (flash / SDPA)", ("flash", "fmha", "attention")),
+    ("grouped GEMM (routed experts)", ("grouped", "Grouped")),
+    ("GEMM / GEMV (cuBLAS, nvjet, CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "splitK", "gemv")),
+    ("optimizer (fused AdamW)", ("adam", "Adam")),
+    ("copies and casts", ("copy", "Copy", "cat", "to_copy")),
+    ("reductions (norms, softmax, sums)", ("reduce", "Reduce", "softmax", "mean", "sum")),
+    ("sort / scatter / index (routing)", ("sort", "Sort", "scatter", "index", "gather", "radix", "topk")),
+    ("elementwise and fused (inductor) kernels", ("elementwise", "vectorized", "triton_")),
+)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, parts in KINDS if any(p in name for p in parts)), "other")
+
+
+def print_kernel_tables(prof: torch.profiler.profile, steps: int, title: str, top: int = 20) -> None:
+    """A heading with the kernels' GPU time per step, the `top` largest kernels, then the kinds."""
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        by_kind[kind_of(e.key)] += e.self_device_time_total / steps / 1e3
+    total_ms = sum(by_kind.values())
+    print(f"\n### {title}: {total_ms:.3f} ms of kernels per step, "
+          f"{sum(e.count for e in kernels) / steps:.0f} kernels per step")
+    print(f"\n| kernel (largest {top}) | calls/step | CUDA ms/step |")
+    print("|---|---|---|")
+    for e in sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        print(f"| {e.key[:100]} | {e.count / steps:.0f} | {e.self_device_time_total / steps / 1e3:.3f} |")
+    print("\n| kind of kernel | CUDA ms/step | share |")
+    print("|---|---|---|")
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: kv[1], reverse=True):
+        print(f"| {kind} | {ms:.3f} | {ms / total_ms:.0%} |")
+
+
+def print_op_table(prof: torch.profiler.profile, steps: int, top: int = 24) -> None:
+    """The aten ops whose own kernels take the most GPU time, by op and input shapes: the shapes
+    tell which tensors the time goes to (forward ops and the backward ops autograd runs alike)."""
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("aten::")
+           and e.self_device_time_total > 0]
+    print(f"\n| aten op (largest {top} by own GPU time) | input shapes | calls/step | CUDA ms/step |")
+    print("|---|---|---|---|")
+    for e in sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        shapes = ", ".join(str(s) for s in e.input_shapes if s)[:80]
+        print(f"| {e.key} | {shapes} | {e.count / steps:.0f} | {e.self_device_time_total / steps / 1e3:.3f} |")
