@@ -46,6 +46,7 @@ from k3.config import K3Config, load_config  # noqa: E402
 from k3.model import experts as experts_module  # noqa: E402
 from k3.model.cache import K3Cache, KDAState, MLAState  # noqa: E402
 from k3.model.decode_graph import CUDAGraphDecoder, capturable_experts  # noqa: E402
+from k3.model.regional_compile import compile_regions  # noqa: E402
 from k3.model.experts import RoutedExperts  # noqa: E402
 from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
@@ -502,12 +503,39 @@ def check_model_decode(c: Checker) -> None:
                       EXACT)
 
 
+def check_compiled_model(c: Checker) -> None:
+    """The model with its regions compiled by inductor (k3.model.regional_compile, as `k3 train
+    --compile` and the decode bench's "graph+compile" rows run it), bf16 on the device: prefill and
+    CUDA-graph decode steps against the fp32 reference of the same rounded weights, under the same
+    bound as the eager model. Inductor fuses and reorders the bf16 arithmetic, so it is not expected
+    to equal the eager path bit for bit; it must be as close to the reference."""
+    model = _model(c.smoke).eval()
+    B, T, steps = (1, 12, 4) if c.smoke else (2, 200, 4)
+    ids = torch.randint(0, model.config.vocab_size, (B, T), device=c.device)
+    ref16, floor = _bf16_reference(model, ids)
+    m = copy.deepcopy(model).to(c.device, torch.bfloat16)
+    compile_regions(m)
+    with torch.no_grad():
+        full = m(ids)[:, -steps:]
+        cache = K3Cache.empty(m.config, B, device=c.device, dtype=torch.bfloat16, capacity=T)
+        m(ids[:, :-steps], cache=cache)
+        decoder = CUDAGraphDecoder(m, cache)
+        graphed = torch.stack([decoder.step(ids[:, T - steps + t]).clone() for t in range(steps)], 1)
+    ref, note = ref16[:, -steps:], f"cpu bf16: {floor:.1e}"
+    c.compare(f"model cuda bfloat16 compiled prefill vs cpu fp32 (last {steps} logits)", ref, full,
+              _model_bound(floor), note=note)
+    c.compare(f"model cuda bfloat16 compiled CUDA-graph decode vs cpu fp32 (last {steps} logits)", ref, graphed,
+              _model_bound(floor), note=note)
+
+
 def checks_layers(c: Checker) -> None:
     # The KDA layer last: the slowest (CPU fp32 references, and on a cold Triton cache fla's conv and
     # qk-norm kernels compile here), it must not starve the checks before it.
     c.run("MLA layer", lambda: check_mla(c), 15)
     c.run("model decode", lambda: check_model_decode(c), 20)
     c.run("model logits", lambda: check_model_logits(c), 30)
+    if c.device.type == "cuda":  # inductor compiles for a minute; CPU runs check the traced graphs in tests/
+        c.run("compiled model", lambda: check_compiled_model(c), 60)
     c.run("KDA layer", lambda: check_kda_layer(c), 30)
 
 
