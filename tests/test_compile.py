@@ -57,8 +57,11 @@ def test_compiled_regions_decode_in_place():
 
 
 def test_compiled_attn_res_reads_never_fall_back_to_eager(caplog):
-    """The shared compiled read is traced once per source count and grad mode; the recompile limit
-    must cover them all, or later reads silently run eager."""
+    """The shared compiled read is traced per source count, grad mode and kind of length (training,
+    prefills of two lengths, decode steps); the recompile limit must cover them all, or later
+    reads silently run eager."""
+    from k3.model.cache import K3Cache
+
     torch._dynamo.reset()
     model = K3ForCausalLM(load_config("k3-tiny").replace(attn_res_block_size=1)).train()  # 8 blocks, as K3
     compile_regions(model, backend="eager")
@@ -66,7 +69,12 @@ def test_compiled_attn_res_reads_never_fall_back_to_eager(caplog):
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
     with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
         model(ids).sum().backward()
+        model(ids[:, :7]).sum().backward()
         with torch.no_grad():
             model(ids)
+            cache = K3Cache.empty(model.config, 1)
+            model(ids[:, :6], cache=cache)
+            for t in range(6, 9):
+                model(ids[:, t:t + 1], cache=cache)
     hits = [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
     assert not [m for m in hits if "attn_res_read" in m], hits

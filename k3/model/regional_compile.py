@@ -17,7 +17,8 @@ The AttnRes reads are the other memory-bound part: in eager each read is a matri
 per source plus a multiply-add per source, all fp32 (2 reads per layer over up to 9 sources; in a
 k3-1b decode step, 216 GEMVs and their split-K reductions take a fifth of the GPU time,
 docs/BENCHMARKS.md). One function serves every read; it is traced once per number of sources
-and grad mode (the list's length is part of the graph), so the recompile limit must cover them all.
+grad mode and kind of length (the list's length is part of the graph), so the recompile limit must
+cover them all.
 """
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ def compile_regions(model: K3ForCausalLM, backend: str = "inductor") -> list[nn.
     block_size = model.config.attn_res_block_size
     if block_size is not None:
         source_counts = -(-model.config.num_hidden_layers // block_size) + 1  # 1 .. blocks + 1 sources
-        limit = 2 * source_counts  # with and without grad
+        # traced per source count and, for each, per grad mode (with, without) x length (the first
+        # one seen, then any other as a dynamic size, and length 1, which dynamo always specializes:
+        # decode steps)
+        limit = 2 * 3 * source_counts
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         read = torch.compile(attn_res_read, backend=backend)
         for owner in (*model.model.layers, model.model):
