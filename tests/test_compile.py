@@ -6,6 +6,7 @@ seconds; inductor's code generation is exercised on the GPU (bench/gpu_bench.py,
 import copy
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -78,3 +79,9 @@ def test_compiled_attn_res_reads_never_fall_back_to_eager(caplog):
                 model(ids[:, t:t + 1], cache=cache)
     hits = [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
     assert not [m for m in hits if "attn_res_read" in m], hits
+
+
+def test_unknown_backend_is_refused_before_any_forward():
+    model = K3ForCausalLM(load_config("k3-tiny"))
+    with pytest.raises(ValueError, match="unknown torch.compile backend 'inductr'"):
+        compile_regions(model, backend="inductr")

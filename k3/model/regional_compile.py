@@ -33,6 +33,9 @@ from k3.model.transformer import K3ForCausalLM
 def compile_regions(model: K3ForCausalLM, backend: str = "inductor") -> list[nn.Module]:
     """Compile every layer's `self_attn` and FFN module, the RMSNorms in front of them and the final
     norm, and the AttnRes reads, in place; returns the compiled modules."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:  # fail here, not at the first forward deep inside dynamo
+        raise ValueError(f"unknown torch.compile backend {backend!r}; known: {', '.join(known)}")
     compiled = []
     for layer in model.model.layers:
         ffn = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp

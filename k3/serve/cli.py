@@ -29,8 +29,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every decode step eagerly (default on CUDA: replay lasting decode batches from CUDA graphs)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile each layer's mixer and FFN (inductor): faster decode steps on CUDA "
-                        "after the first requests of each shape compile")
+                   help="torch.compile each layer's norms, mixer, FFN and AttnRes reads (inductor) before "
+                        "serving: shorter decode steps on CUDA once each shape has compiled (off by default: "
+                        "docs/SERVING.md has what it measured)")
     p.add_argument("--seed", type=int, default=None)
 
 

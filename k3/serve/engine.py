@@ -62,8 +62,8 @@ class EngineConfig:
     max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay lasting decode batches from CUDA graphs (CUDA + grouped_mm experts only)
-    # torch.compile backend for each layer's mixer, FFN and AttnRes reads (k3.model.regional_compile), or
-    # None; "inductor" fuses the small kernels of a decode step (the first steps of each shape compile)
+    # torch.compile backend for each layer's norms, mixer, FFN and AttnRes reads (k3.model.regional_compile),
+    # or None; "inductor" fuses the small kernels of a decode step (the first steps of each shape compile)
     compile: str | None = None
     seed: int | None = None
 
