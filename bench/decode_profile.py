@@ -42,10 +42,10 @@ def main() -> None:
     with torch.device(device):
         model = K3ForCausalLM(cfg).to(torch.bfloat16).eval()
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, 1), device=device)
-    unknown = set(args.modes.split(",")) - set(MODES)
-    if unknown:
-        ap.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
-    for mode in [m for m in MODES if m in args.modes.split(",")]:
+    asked = set(args.modes.split(","))
+    if asked - set(MODES):
+        ap.error(f"--modes: unknown {sorted(asked - set(MODES))}; choose from {', '.join(MODES)}")
+    for mode in [m for m in MODES if m in asked]:
         if mode == "graph+compile":
             compile_regions(model)  # in place: it is the last mode
         cache = random_cache(cfg, args.batch, args.context, device, torch.bfloat16,

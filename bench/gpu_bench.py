@@ -487,14 +487,17 @@ def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record,
     grid = []
     for c in contexts:
         sizes = list(batches)
-        if not both_fit(sizes[-1], c):
-            sizes.insert(-1, max((2 ** i for i in range(int(math.log2(sizes[-1]))) if both_fit(2 ** i, c)), default=1))
-        grid += [(v, b, c) for b in dict.fromkeys(sizes) for v in models]
+        fitting = sizes[-1]
+        while fitting > 1 and not both_fit(fitting, c):
+            fitting //= 2
+        if fitting not in sizes:
+            sizes = sorted(sizes + [fitting])
+        grid += [(v, b, c) for b in sizes for v in models]
     if device.type != "cuda":
         all(case(variant, batch, context, "eager") for variant, batch, context in grid)
         return
     # In order of what the targets need, as the time budget may end the list: CUDA-graph replay of
-    # the model with its regions compiled (k3/model/regional_compile.py: each layer's mixer and FFN
+    # the model with its regions compiled (k3/model/regional_compile.py: each layer's norms, mixer and FFN
     # and the AttnRes reads, which fuses the small kernels that dominate a small model's decode
     # step) over the whole grid; then uncompiled replay; then eager at batch 1 (where launch
     # overhead shows most).

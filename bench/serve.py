@@ -10,8 +10,8 @@ batch is uniform-length (no padding needed). TTFT for HF is its batched prefill 
 (`max_new_tokens=1`); for k3 it is the mean over requests of arrival -> first token under
 continuous batching. On CUDA both use fla's KDA kernels (transformers picks them up when
 flash-linear-attention is installed), and the k3 engine runs three ways: replaying decode batches from
-CUDA graphs (its default), the same with each layer's mixer and FFN compiled (`k3 serve --compile`),
-and eagerly.
+CUDA graphs (its default), the same with each layer's norms, mixer, FFN and AttnRes reads compiled
+(`k3 serve --compile`), and eagerly.
 
 Correctness alongside: the prefill logits of HF and of k3 in the bench dtype, each against HF's
 fp32 forward on the same device (the reference implementation). Prints a short table last.
@@ -31,8 +31,8 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.serve_modes import K3_MODES, agreement_summary  # noqa: E402
 from k3.model.checkpoint import load_pretrained  # noqa: E402
-from k3.model.regional_compile import compile_regions  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
@@ -71,10 +71,6 @@ def kimi_linear(vocab: int, size: str = "tiny") -> transformers.KimiLinearForCau
     return model
 
 
-# the engine's configurations the bench runs (on CUDA; eager only on CPU), as the tables label them
-K3_MODES = {"graphs+compile": "CUDA graphs, compiled regions", "graphs": "CUDA graphs", "eager": "eager"}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,13 +92,13 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, floa
 
 
 def bench_k3(model, prompts: list[list[int]], new_tokens: int, budget: int,
-             cuda_graphs: bool = True) -> tuple[float, float, list[list[int]]]:
+             cuda_graphs: bool = True, compile: str | None = None) -> tuple[float, float, list[list[int]]]:
     """The engine sized for the whole batch at once: its cache holds every request's pages."""
     longest = max(len(p) for p in prompts) + new_tokens
     engine = LLMEngine(model, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget,
                                            max_model_len=max(longest, 4096), enable_prefix_caching=False,
                                            cache_bytes=_engine_cache_bytes(model, len(prompts), longest),
-                                           cuda_graphs=cuda_graphs))
+                                           cuda_graphs=cuda_graphs, compile=compile))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     device = next(model.parameters()).device
     _sync(device)
@@ -149,17 +145,14 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
     hf_rel, hf_first = logits_error(reference, hf, probe.to(device), lambda out: out.logits)
     k3_rel, k3_first = logits_error(reference, ours, probe.to(device), lambda out: out)
     budget = prompts * prompt_len
-    # mode -> (model, CUDA graphs); the compiled copy is compiled once (`k3 serve --compile` does
-    # this at start), so the warm-up round's compilation is not measured
-    modes = {"eager": (ours, False)}
-    if device.type == "cuda":
-        compiled = copy.deepcopy(ours)
-        compile_regions(compiled)
-        modes = {"graphs+compile": (compiled, True), "graphs": (ours, True), **modes}
+    # the compiled mode runs on its own copy (EngineConfig.compile compiles the model in place); its
+    # compilation happens in the warm-up round, and the measured round's engine reuses it
+    models = {mode: copy.deepcopy(ours) if compile else ours for mode, (_, _, compile) in K3_MODES.items()}
+    modes = K3_MODES if device.type == "cuda" else {"eager": K3_MODES["eager"]}
     for _ in range(1 + warmup):  # the last round is the measured one
         hf_ttft, hf_time, hf_out = bench_hf(hf, ids.to(device), new_tokens)
-        k3 = {mode: bench_k3(model, ids.tolist(), new_tokens, budget, graphs)
-              for mode, (model, graphs) in modes.items()}
+        k3 = {mode: bench_k3(models[mode], ids.tolist(), new_tokens, budget, graphs, compile)
+              for mode, (_, graphs, compile) in modes.items()}
     n = prompts * new_tokens
     result = {"hf_tokens_per_s": n / hf_time, "hf_ttft_s": hf_ttft, "dtype": str(dtype).removeprefix("torch."),
               "hf_prefill_rel_err": hf_rel, "hf_first_token_agreement": hf_first,
@@ -169,15 +162,9 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
         result[f"k3_{mode}_ttft_s"] = ttft
         result[f"k3_{mode}_throughput_ratio"] = hf_time / elapsed
         result[f"k3_{mode}_agreement_with_hf"] = agreement(hf_out, out)
-    for mode in ("graphs", "graphs+compile"):
-        if mode in k3:
-            result[f"{mode}_agreement_with_eager"] = agreement(k3["eager"][2], k3[mode][2])
+    for mode in k3.keys() - {"eager"}:
+        result[f"{mode}_agreement_with_eager"] = agreement(k3["eager"][2], k3[mode][2])
     return result
-
-
-def agreement_summary(result: dict) -> str:
-    return "".join(f"; k3 {mode} tokens equal to eager: {result[f'{mode}_agreement_with_eager']:.1%}"
-                   for mode in K3_MODES if f"{mode}_agreement_with_eager" in result)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -215,7 +202,7 @@ def main() -> None:
     cmd = "python bench/serve.py " + " ".join(sys.argv[1:])
     table = ["| engine | tokens/s | TTFT (s) | vs HF | greedy agreement with HF |", "|---|---|---|---|---|",
              f"| HF transformers generate | {r['hf_tokens_per_s']:.1f} | {r['hf_ttft_s']:.3f} | 1.00x | |"]
-    for mode, label in K3_MODES.items():
+    for mode, (label, _, _) in K3_MODES.items():
         if f"k3_{mode}_tokens_per_s" in r:
             table.append(f"| k3 engine ({label}) | "
                          f"{r[f'k3_{mode}_tokens_per_s']:.1f} | {r[f'k3_{mode}_ttft_s']:.3f} | "

@@ -81,6 +81,15 @@ def test_compiled_attn_res_reads_never_fall_back_to_eager(caplog):
     assert not [m for m in hits if "attn_res_read" in m], hits
 
 
+def test_compiling_twice_keeps_the_compiled_regions():
+    model = K3ForCausalLM(load_config("k3-tiny"))
+    first = compile_regions(model, backend="eager")
+    wrapped = [m._compiled_call_impl for m in first]
+    read = model.model.attn_res_read
+    assert compile_regions(model, backend="eager") == first
+    assert [m._compiled_call_impl for m in first] == wrapped and model.model.attn_res_read is read
+
+
 def test_unknown_backend_is_refused_before_any_forward():
     model = K3ForCausalLM(load_config("k3-tiny"))
     with pytest.raises(ValueError, match="unknown torch.compile backend 'inductr'"):

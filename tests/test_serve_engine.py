@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import weakref
 
 import pytest
@@ -96,12 +97,15 @@ def test_greedy_matches_generate(model, prompts, reference, prefix_caching, budg
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 
-def test_compiled_regions_change_no_token(model, prompts, reference):
-    """EngineConfig.compile traces the mixers, FFNs and AttnRes reads (the eager backend keeps this
-    fast on CPU: what is checked is that serving through dynamo's graphs, prefill and decode, with
-    every batch shape the scheduler makes, yields the same tokens)."""
+def test_compiled_regions_change_no_token(model, prompts, reference, caplog):
+    """EngineConfig.compile traces the norms, mixers, FFNs and AttnRes reads (the eager backend keeps
+    this fast on CPU: what is checked is that serving through dynamo's graphs, prefill and decode,
+    with every batch shape the scheduler makes, yields the same tokens, and that no region exhausts
+    its recompiles and silently falls back to eager)."""
     engine = LLMEngine(copy.deepcopy(model), EngineConfig(block_size=4, hash_block_size=8, compile="eager"))
-    assert engine.generate(prompts, GREEDY) == reference
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        assert engine.generate(prompts, GREEDY) == reference
+    assert not [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
 
 
 def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, prompts):

@@ -67,6 +67,13 @@ class RoutedExperts(nn.Module):
             gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
             up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(self.act(gate, up), w2.transpose(-2, -1), offs=offs)
+        return self._loop_over_experts(x, counts, w1, w3, w2)
+
+    # Runs eager inside compiled regions (k3.model.regional_compile): the split sizes are read on
+    # the host, so a traced loop would be specialized, and recompiled, for every routing pattern.
+    @torch.compiler.disable
+    def _loop_over_experts(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                         w2: torch.Tensor) -> torch.Tensor:
         # unbind, not w[e]: the backward of E selects is E zero-filled [E, ...] gradients summed
         # (O(E^2) bytes per bank), of one unbind a single stack
         outs = []

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
     p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
     p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile each layer's mixer and FFN and the AttnRes reads (worth it on CUDA; "
+                   help="torch.compile each layer's norms, mixer and FFN and the AttnRes reads (worth it on CUDA; "
                         "minutes of compiling first)")
     p.add_argument("--qat", action="store_true", default=None,
                    help="quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")

@@ -65,7 +65,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     balance: str = "quantile"  # quantile | histogram | sign | none
     qat: bool = False  # MXFP4/MXFP8 quantization-aware training of the routed experts (k3.quant.qat)
-    compile: bool = False  # torch.compile mixers, FFNs and AttnRes reads (k3.model.regional_compile); for CUDA runs
+    compile: bool = False  # torch.compile norms, mixers, FFNs and AttnRes reads (k3.model.regional_compile); for CUDA runs
     val_fraction: float = 0.02  # the bundled corpus: 1 of 42 works
     eval_every: int = 100
     eval_windows: int = 16  # windows of the periodic eval; the final eval reads all of val
