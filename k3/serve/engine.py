@@ -231,11 +231,14 @@ class AsyncEngine:
                 failures += 1
                 log.error("engine step failed (%d in a row); failing %d request(s)", failures, len(e.request_ids),
                           exc_info=e.__cause__)
+                broken = failures >= self.max_consecutive_step_failures
+                if broken:  # set before any client hears of this step, so its next request sees a 503
+                    self.error = e.__cause__ or e
                 for rid in e.request_ids:
                     self._emit(rid, EngineError(f"the model failed while serving this request: {e.__cause__!r}"))
                 self._deliver(e.outputs)
-                if failures >= self.max_consecutive_step_failures:
-                    self._fail(e.__cause__ or e)
+                if broken:
+                    self._fail(self.error)
                     return
                 continue
             except BaseException as e:  # bookkeeping broke: every waiting client must hear, not hang
