@@ -464,6 +464,17 @@ def check_model_logits(c: Checker) -> None:
                   bound, note=f"{note}argmax agreement {agree:.1%}")
 
 
+@torch.no_grad()
+def _graph_decode(m: K3ForCausalLM, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Logits [B, steps, V] of the last `steps` tokens of ids [B, T]: a prefill of the rest into a
+    cache, then one decode step per token replayed from a CUDA graph."""
+    B, T = ids.shape
+    cache = K3Cache.empty(m.config, B, device=ids.device, dtype=next(m.parameters()).dtype, capacity=T)
+    m(ids[:, :-steps], cache=cache)
+    decoder = CUDAGraphDecoder(m, cache)
+    return torch.stack([decoder.step(ids[:, T - steps + t]).clone() for t in range(steps)], 1)
+
+
 def check_model_decode(c: Checker) -> None:
     """On the device: a prefill of T-4 tokens into a cache followed by 4 single-token steps (chunk
     then recurrent kernels), eager and replayed from a CUDA graph, gives the last 4 logits of one
@@ -493,11 +504,7 @@ def check_model_decode(c: Checker) -> None:
         if c.device.type == "cuda" and not capturable_experts(m):
             c.skip(graph_name, "routed experts run the per-expert loop here (host-side counts; grouped_mm needs bf16 on sm90): not capturable")
         elif c.device.type == "cuda":  # the same steps replayed from a CUDA graph
-            with torch.no_grad():
-                cache = K3Cache.empty(m.config, B, device=c.device, dtype=dtype, capacity=T)
-                m(ids[:, :-steps], cache=cache)
-                decoder = CUDAGraphDecoder(m, cache)
-                graphed = torch.stack([decoder.step(ids[:, T - steps + t]).clone() for t in range(steps)], 1)
+            graphed = _graph_decode(m, ids, steps)
             c.compare(graph_name, ref, graphed, bound)
             c.compare(f"model cuda {label} CUDA-graph decode = eager decode (last {steps} logits)", stepped, graphed,
                       EXACT)
@@ -521,10 +528,7 @@ def check_compiled_model(c: Checker) -> None:
     compile_regions(m)
     with torch.no_grad():
         full = m(ids)[:, -steps:]
-        cache = K3Cache.empty(m.config, B, device=c.device, dtype=torch.bfloat16, capacity=T)
-        m(ids[:, :-steps], cache=cache)
-        decoder = CUDAGraphDecoder(m, cache)
-        graphed = torch.stack([decoder.step(ids[:, T - steps + t]).clone() for t in range(steps)], 1)
+    graphed = _graph_decode(m, ids, steps)
     ref, note = ref16[:, -steps:], f"cpu bf16: {floor:.1e}"
     c.compare(f"model cuda bfloat16 compiled prefill vs cpu fp32 (last {steps} logits)", ref, full,
               _model_bound(floor), note=note)

@@ -34,13 +34,13 @@ def kind_of(name: str) -> str:
 def print_kernel_tables(prof: torch.profiler.profile, steps: int, title: str, top: int = 20) -> None:
     """A heading with the kernels' GPU time per step, the `top` largest kernels, then the kinds."""
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        print(f"\n### {title}: no CUDA kernels recorded")
+        return
     by_kind: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_kind[kind_of(e.key)] += e.self_device_time_total / steps / 1e3
     total_ms = sum(by_kind.values())
-    if not kernels:
-        print(f"\n### {title}: no CUDA kernels recorded")
-        return
     print(f"\n### {title}: {total_ms:.3f} ms of kernels per step, "
           f"{sum(e.count for e in kernels) / steps:.0f} kernels per step")
     print(f"\n| kernel (largest {top}) | calls/step | CUDA ms/step |")

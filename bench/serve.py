@@ -147,8 +147,8 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
     budget = prompts * prompt_len
     # the compiled mode runs on its own copy (EngineConfig.compile compiles the model in place); its
     # compilation happens in the warm-up round, and the measured round's engine reuses it
-    models = {mode: copy.deepcopy(ours) if compile else ours for mode, (_, _, compile) in K3_MODES.items()}
     modes = K3_MODES if device.type == "cuda" else {"eager": K3_MODES["eager"]}
+    models = {mode: copy.deepcopy(ours) if compile else ours for mode, (_, _, compile) in modes.items()}
     for _ in range(1 + warmup):  # the last round is the measured one
         hf_ttft, hf_time, hf_out = bench_hf(hf, ids.to(device), new_tokens)
         k3 = {mode: bench_k3(models[mode], ids.tolist(), new_tokens, budget, graphs, compile)

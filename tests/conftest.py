@@ -17,6 +17,11 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
     return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+def recompile_limit_hits(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """dynamo's warnings that a compiled function ran out of recompiles (it then runs eager)."""
+    return [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
 def assert_rel_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) -> None:
     assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
     assert torch.isfinite(out).all(), f"{name}: non-finite values in output"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
 from k3.model.regional_compile import compile_regions
-from tests.conftest import assert_rel_close
+from tests.conftest import assert_rel_close, recompile_limit_hits
 
 
 def _loss_and_grads(model, ids):
@@ -77,7 +77,7 @@ def test_compiled_attn_res_reads_never_fall_back_to_eager(caplog):
             model(ids[:, :6], cache=cache)
             for t in range(6, 9):
                 model(ids[:, t:t + 1], cache=cache)
-    hits = [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+    hits = recompile_limit_hits(caplog)
     assert not [m for m in hits if "attn_res_read" in m], hits
 
 

@@ -73,7 +73,7 @@ class RoutedExperts(nn.Module):
     # the host, so a traced loop would be specialized, and recompiled, for every routing pattern.
     @torch.compiler.disable
     def _loop_over_experts(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                         w2: torch.Tensor) -> torch.Tensor:
+                           w2: torch.Tensor) -> torch.Tensor:
         # unbind, not w[e]: the backward of E selects is E zero-filled [E, ...] gradients summed
         # (O(E^2) bytes per bank), of one unbind a single stack
         outs = []
