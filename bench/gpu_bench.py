@@ -576,7 +576,11 @@ def bench_serve(device: torch.device, smoke: bool, known: dict, record: Record, 
     from bench.serve import run
 
     size, prompts, prompt_len, new_tokens, vocab = ("tiny", 4, 16, 8, 4096) if smoke else ("gpu", 32, 512, 64, 32000)
-    result = run(size, device, prompts, prompt_len, new_tokens, vocab)
+    # then a mixed workload at the same concurrency, where continuous batching counts (HF in static batches)
+    mixed = dict(requests=6, prompt_lens=(4, 24), new_tokens=(2, 8)) if smoke else \
+        dict(requests=96, prompt_lens=(32, 512), new_tokens=(8, 128))
+    result = run(size, device, prompts, prompt_len, new_tokens, vocab,
+                 mixed=dict(mixed, concurrency=prompts, budget=prompts * prompt_len))
     _say(record, {"kind": "bench", "bench": "serve", "status": "ok", "size": size,
                   "name": f"Kimi-Linear '{size}', {prompts} prompts x {prompt_len} tokens, {new_tokens} new", **result})
 

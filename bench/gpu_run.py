@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # bench.* and k3.* import from the checkout
-from bench.serve_modes import K3_MODES, agreement_summary  # noqa: E402 (torch-free)
+from bench.serve_modes import K3_MODES, agreement_summary, mixed_line  # noqa: E402 (torch-free)
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,10 @@ SECTIONS = [
     Section("checks:layers", 280, 20),
     Section("checks:moe", 40, 10),
     Section("bench:decode", 420, 25),  # 60 rows of ~2-20 s each, in order of importance (gpu_bench.py)
-    Section("bench:serve", 150, 40),
-    Section("bench:train", 200, 30),  # eager, then regional torch.compile (minutes of inductor compiling)
+    Section("bench:serve", 240, 40),  # uniform workload (warm-up + measured round, 4 engines), then the mixed one
+    # eager, then regional torch.compile: 195 s in run 15 reached only the eager row (probe, first-step
+    # JIT, timing); compiling the regions adds ~50-100 s
+    Section("bench:train", 330, 30),
     Section("bench:kda", 240, 20),  # fla's own layer last: its kernels' first compile is the slowest part
     Section("bench:moe", 25, 10),
 ]
@@ -311,6 +313,7 @@ def _bench_tables(entries: list[dict]) -> list[str]:
         out += [f"{e['name']}: prefill logits vs HF fp32 (same device): HF {e['dtype']} {e['hf_prefill_rel_err']:.2e}, "
                 f"k3 {e['dtype']} {e['k3_prefill_rel_err']:.2e}"
                 + agreement_summary(e) for e in serve]
+        out += [mixed_line(e["mixed"]) for e in serve if "mixed" in e]
     moe = [e for e in entries if e.get("bench") == "moe" and e.get("status") == "ok"]
     if moe:
         out += ["### Routed experts (bf16)", _table(["case", "ms", "TFLOP/s"],

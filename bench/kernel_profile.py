@@ -33,7 +33,11 @@ def kind_of(name: str) -> str:
 
 def print_kernel_tables(prof: torch.profiler.profile, steps: int, title: str, top: int = 20) -> None:
     """A heading with the kernels' GPU time per step, the `top` largest kernels, then the kinds."""
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # GPU-side ranges of annotations ("## Call CompiledFxGraph ... ##" around each compiled graph,
+    # "Optimizer.step#AdamW.step") span kernels that are listed themselves: counting them would count
+    # those kernels twice. Kernel names never contain '#'.
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.key]
     if not kernels:
         print(f"\n### {title}: no CUDA kernels recorded")
         return

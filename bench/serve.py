@@ -31,7 +31,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.serve_modes import K3_MODES, agreement_summary  # noqa: E402
+from bench.serve_modes import K3_MODES, agreement_summary, mixed_line  # noqa: E402
 from k3.model.checkpoint import load_pretrained  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
@@ -91,19 +91,20 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, floa
     return ttft, elapsed, out[:, prompts.shape[1]:].tolist()
 
 
-def bench_k3(model, prompts: list[list[int]], new_tokens: int, budget: int,
+def bench_k3(model, prompts: list[list[int]], new_tokens: list[int], budget: int, max_num_seqs: int,
              cuda_graphs: bool = True, compile: str | None = None) -> tuple[float, float, list[list[int]]]:
-    """The engine sized for the whole batch at once: its cache holds every request's pages."""
-    longest = max(len(p) for p in prompts) + new_tokens
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget,
+    """All requests submitted at once; the engine runs at most `max_num_seqs` of them at a time
+    (continuous batching) and its cache holds that many requests' pages."""
+    longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                            max_model_len=max(longest, 4096), enable_prefix_caching=False,
-                                           cache_bytes=_engine_cache_bytes(model, len(prompts), longest),
+                                           cache_bytes=_engine_cache_bytes(model, max_num_seqs, longest),
                                            cuda_graphs=cuda_graphs, compile=compile))
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     device = next(model.parameters()).device
     _sync(device)
     t0 = time.perf_counter()
-    requests = [engine.add_request(p, params) for p in prompts]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                for p, n in zip(prompts, new_tokens)]
     first: dict[str, float] = {}
     while engine.has_unfinished:
         for o in engine.step():
@@ -111,6 +112,36 @@ def bench_k3(model, prompts: list[list[int]], new_tokens: int, budget: int,
     _sync(device)
     elapsed = time.perf_counter() - t0
     return sum(first.values()) / len(first), elapsed, [r.output_token_ids for r in requests]
+
+
+@torch.inference_mode()
+def bench_hf_batches(model, prompts: list[list[int]], new_tokens: list[int], batch: int) -> tuple[float, list[list[int]]]:
+    """HF `generate` as a static-batching server runs it: requests in arrival order, `batch` at a
+    time, left-padded to the batch's longest prompt (with the attention mask, which Kimi-Linear's
+    KDA layers honour by zeroing padded inputs), each batch decoding for its longest request."""
+    device = next(model.parameters()).device
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    outputs = []
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk, wants = prompts[i:i + batch], new_tokens[i:i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max(wants), min_new_tokens=max(wants), **kw)
+        outputs += [row[width:width + n] for row, n in zip(out.tolist(), wants)]
+    _sync(device)
+    return time.perf_counter() - t0, outputs
+
+
+def mixed_workload(requests: int, prompt_lens: tuple[int, int], new_tokens: tuple[int, int], vocab: int,
+                   seed: int = 1) -> tuple[list[list[int]], list[int]]:
+    """Requests with prompt and output lengths drawn uniformly from the inclusive ranges (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(prompt_lens[0], prompt_lens[1] + 1, (requests,), generator=g).tolist()
+    wants = torch.randint(new_tokens[0], new_tokens[1] + 1, (requests,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths], wants
 
 
 def _engine_cache_bytes(model, num_seqs: int, tokens: int) -> int:
@@ -124,9 +155,10 @@ def _engine_cache_bytes(model, num_seqs: int, tokens: int) -> int:
 
 
 def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_tokens: int, vocab: int,
-        warmup: bool = True) -> dict:
+        warmup: bool = True, mixed: dict | None = None) -> dict:
     """Both engines on the same prompts; returns throughput, TTFT, greedy agreement and each
-    implementation's prefill logits error against HF fp32 on the device."""
+    implementation's prefill logits error against HF fp32 on the device; with `mixed` (the keyword
+    arguments of `mixed_workload` plus `concurrency` and `budget`), also `result["mixed"]`."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf = kimi_linear(vocab, size)
     g = torch.Generator().manual_seed(0)
@@ -151,7 +183,7 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
     models = {mode: copy.deepcopy(ours) if compile else ours for mode, (_, _, compile) in modes.items()}
     for _ in range(1 + warmup):  # the last round is the measured one
         hf_ttft, hf_time, hf_out = bench_hf(hf, ids.to(device), new_tokens)
-        k3 = {mode: bench_k3(models[mode], ids.tolist(), new_tokens, budget, graphs, compile)
+        k3 = {mode: bench_k3(models[mode], ids.tolist(), [new_tokens] * prompts, budget, prompts, graphs, compile)
               for mode, (_, graphs, compile) in modes.items()}
     n = prompts * new_tokens
     result = {"hf_tokens_per_s": n / hf_time, "hf_ttft_s": hf_ttft, "dtype": str(dtype).removeprefix("torch."),
@@ -164,7 +196,27 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
         result[f"k3_{mode}_agreement_with_hf"] = agreement(hf_out, out)
     for mode in k3.keys() - {"eager"}:
         result[f"{mode}_agreement_with_eager"] = agreement(k3["eager"][2], k3[mode][2])
+    if mixed is not None:
+        result["mixed"] = run_mixed(hf, ours, mixed, vocab)
     return result
+
+
+def run_mixed(hf, ours, workload: dict, vocab: int) -> dict:
+    """The mixed workload, once (after the uniform rounds, so kernels are compiled): HF in static
+    batches of `concurrency`, the k3 engine (its default mode on the device) with at most that many
+    requests running. Throughput counts only the tokens each request asked for."""
+    prompts, wants = mixed_workload(workload["requests"], workload["prompt_lens"], workload["new_tokens"], vocab)
+    concurrency, budget = workload["concurrency"], workload["budget"]
+    mode = "graphs" if next(ours.parameters()).is_cuda else "eager"
+    _, graphs, _ = K3_MODES[mode]
+    hf_time, hf_out = bench_hf_batches(hf, prompts, wants, concurrency)
+    ttft, k3_time, k3_out = bench_k3(ours, prompts, wants, budget, concurrency, graphs)
+    n = sum(wants)
+    return {**workload, "mode": mode, "output_tokens": n, "hf_tokens_per_s": n / hf_time,
+            "hf_useful_fraction": n / sum(max(wants[i:i + concurrency]) * len(wants[i:i + concurrency])
+                                          for i in range(0, len(wants), concurrency)),
+            f"k3_{mode}_tokens_per_s": n / k3_time, f"k3_{mode}_ttft_s": ttft,
+            f"k3_{mode}_throughput_ratio": hf_time / k3_time, f"k3_{mode}_agreement_with_hf": agreement(hf_out, k3_out)}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -181,6 +233,13 @@ def logits_error(reference: torch.Tensor, model, ids: torch.Tensor, logits_of) -
     return rel_err(reference, out), (reference[:, -1].argmax(-1) == out[:, -1].argmax(-1)).float().mean().item()
 
 
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"want LO,HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -190,13 +249,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--no-warmup", action="store_true", help="measure the first run (includes compilation)")
+    ap.add_argument("--mixed", type=int, default=0, metavar="N",
+                    help="also run N requests of mixed lengths, at most --prompts at a time (HF: static batches)")
+    ap.add_argument("--mixed-prompt-lens", type=_range, default=(32, 512), metavar="LO,HI")
+    ap.add_argument("--mixed-new-tokens", type=_range, default=(8, 128), metavar="LO,HI")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--record", type=Path, default=None, help="append the result to this markdown file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    r = run(args.size, device, args.prompts, args.prompt_len, args.new_tokens, args.vocab, not args.no_warmup)
+    mixed = None if not args.mixed else dict(
+        requests=args.mixed, prompt_lens=args.mixed_prompt_lens, new_tokens=args.mixed_new_tokens,
+        concurrency=args.prompts, budget=args.prompts * args.prompt_len)
+    r = run(args.size, device, args.prompts, args.prompt_len, args.new_tokens, args.vocab, not args.no_warmup, mixed)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     cmd = "python bench/serve.py " + " ".join(sys.argv[1:])
@@ -210,6 +276,8 @@ def main() -> None:
     summary = (f"prefill logits vs HF fp32: HF {r['dtype']} {r['hf_prefill_rel_err']:.2e}, "
                f"k3 {r['dtype']} {r['k3_prefill_rel_err']:.2e}")
     summary += agreement_summary(r)
+    if "mixed" in r:
+        summary += "\n" + mixed_line(r["mixed"])
     if args.record:
         with open(args.record, "a") as f:
             f.write(f"\n## serve: k3 engine vs HF generate ({datetime.date.today()})\n\n"

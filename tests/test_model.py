@@ -128,6 +128,33 @@ def test_attnres_is_uniform_average_at_init(monkeypatch):
     assert all(p.abs().sum() == 0 for n, p in model.named_parameters() if n.endswith("_res_proj.weight"))
 
 
+def test_attnres_read_is_softmax_over_normalized_keys():
+    """SPEC §5 written out in float64 with explicit keys RMSNorm_w(V_s), a random pseudo-query and
+    norm weight: the read's factored score (rstd times V . (w q)) gives the same output and
+    gradients for every source and the pseudo-query."""
+    from k3.model.attnres import BlockSource, attn_res_read, new_attn_res_pair
+
+    D, eps = 32, 1e-5
+    proj, norm = new_attn_res_pair(D, eps)
+    with torch.no_grad():
+        proj.weight.normal_()
+        norm.weight.uniform_(0.5, 1.5)
+    sources = [(torch.randn(2, 5, D) * scale).requires_grad_() for scale in (1.0, 3.0, 0.3)]
+    out = attn_res_read(sources[-1], [BlockSource(v, eps) for v in sources[:-1]], proj, norm)
+    cotangent = torch.randn_like(out)
+    grads = torch.autograd.grad(out, sources + [proj.weight], cotangent)
+
+    ref_sources = [v.detach().double().requires_grad_() for v in sources]
+    ref_query = proj.weight.detach().double().requires_grad_()
+    keys = [v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.double() for v in ref_sources]
+    alpha = torch.softmax(torch.stack([k @ ref_query[0] for k in keys]), dim=0)
+    ref = sum(a.unsqueeze(-1) * v for a, v in zip(alpha, ref_sources))
+    ref_grads = torch.autograd.grad(ref, ref_sources + [ref_query], cotangent.double())
+    assert_rel_close("read", ref, out, 1e-6)
+    for name, r, g in zip(["block 0", "block 1", "prefix", "pseudo-query"], ref_grads, grads):
+        assert_rel_close(f"d {name}", r, g, 1e-5)
+
+
 def test_official_layout_output_read_sees_nine_sources(monkeypatch):
     import k3.model.transformer as tr
 
