@@ -298,7 +298,8 @@ def _bench_tables(entries: list[dict]) -> list[str]:
               e["bound_tokens_per_s"], f"{e['fraction_of_bound']:.1%}",
               f"{e['tokens_per_s'] / mla[key]:.2f}x" if e["variant"] == "hybrid" and (
                   key := (e["batch"], e["context"], e.get("mode"))) in mla else ""] for e in dec])]
-    serve = [e for e in entries if e.get("bench") == "serve" and e.get("status") == "ok"]
+    serve = [e for e in entries if e.get("bench") == "serve" and e.get("status") == "ok"
+             and e.get("workload", "uniform") == "uniform"]
     if serve:
         rows = []
         for e in serve:
@@ -313,7 +314,8 @@ def _bench_tables(entries: list[dict]) -> list[str]:
         out += [f"{e['name']}: prefill logits vs HF fp32 (same device): HF {e['dtype']} {e['hf_prefill_rel_err']:.2e}, "
                 f"k3 {e['dtype']} {e['k3_prefill_rel_err']:.2e}"
                 + agreement_summary(e) for e in serve]
-        out += [mixed_line(e["mixed"]) for e in serve if "mixed" in e]
+        out += [mixed_line(e) for e in entries
+                if e.get("bench") == "serve" and e.get("status") == "ok" and e.get("workload") == "mixed"]
     moe = [e for e in entries if e.get("bench") == "moe" and e.get("status") == "ok"]
     if moe:
         out += ["### Routed experts (bf16)", _table(["case", "ms", "TFLOP/s"],

@@ -25,6 +25,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -155,10 +156,11 @@ def _engine_cache_bytes(model, num_seqs: int, tokens: int) -> int:
 
 
 def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_tokens: int, vocab: int,
-        warmup: bool = True, mixed: dict | None = None) -> dict:
+        warmup: bool = True, mixed: dict | None = None) -> Iterator[tuple[str, dict]]:
     """Both engines on the same prompts; returns throughput, TTFT, greedy agreement and each
-    implementation's prefill logits error against HF fp32 on the device; with `mixed` (the keyword
-    arguments of `mixed_workload` plus `concurrency` and `budget`), also `result["mixed"]`."""
+    implementation's prefill logits error against HF fp32 on the device, as ("uniform", result);
+    then, with `mixed` (the keyword arguments of `mixed_workload` plus `concurrency` and `budget`),
+    ("mixed", result). Yielded as each is done, so a caller out of time keeps the first."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf = kimi_linear(vocab, size)
     g = torch.Generator().manual_seed(0)
@@ -196,9 +198,9 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
         result[f"k3_{mode}_agreement_with_hf"] = agreement(hf_out, out)
     for mode in k3.keys() - {"eager"}:
         result[f"{mode}_agreement_with_eager"] = agreement(k3["eager"][2], k3[mode][2])
+    yield "uniform", result
     if mixed is not None:
-        result["mixed"] = run_mixed(hf, ours, mixed, vocab)
-    return result
+        yield "mixed", run_mixed(hf, ours, mixed, vocab)
 
 
 def run_mixed(hf, ours, workload: dict, vocab: int) -> dict:
@@ -210,7 +212,9 @@ def run_mixed(hf, ours, workload: dict, vocab: int) -> dict:
     mode = "graphs" if next(ours.parameters()).is_cuda else "eager"
     _, graphs, _ = K3_MODES[mode]
     hf_time, hf_out = bench_hf_batches(hf, prompts, wants, concurrency)
+    print(f"mixed workload: HF static batches took {hf_time:.1f} s", flush=True)
     ttft, k3_time, k3_out = bench_k3(ours, prompts, wants, budget, concurrency, graphs)
+    print(f"mixed workload: k3 engine ({mode}) took {k3_time:.1f} s", flush=True)
     n = sum(wants)
     return {**workload, "mode": mode, "output_tokens": n, "hf_tokens_per_s": n / hf_time,
             "hf_useful_fraction": n / sum(max(wants[i:i + concurrency]) * len(wants[i:i + concurrency])
@@ -262,7 +266,9 @@ def main() -> None:
     mixed = None if not args.mixed else dict(
         requests=args.mixed, prompt_lens=args.mixed_prompt_lens, new_tokens=args.mixed_new_tokens,
         concurrency=args.prompts, budget=args.prompts * args.prompt_len)
-    r = run(args.size, device, args.prompts, args.prompt_len, args.new_tokens, args.vocab, not args.no_warmup, mixed)
+    results = dict(run(args.size, device, args.prompts, args.prompt_len, args.new_tokens, args.vocab,
+                       not args.no_warmup, mixed))
+    r = results["uniform"]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     cmd = "python bench/serve.py " + " ".join(sys.argv[1:])
@@ -276,8 +282,8 @@ def main() -> None:
     summary = (f"prefill logits vs HF fp32: HF {r['dtype']} {r['hf_prefill_rel_err']:.2e}, "
                f"k3 {r['dtype']} {r['k3_prefill_rel_err']:.2e}")
     summary += agreement_summary(r)
-    if "mixed" in r:
-        summary += "\n" + mixed_line(r["mixed"])
+    if "mixed" in results:
+        summary += "\n" + mixed_line(results["mixed"])
     if args.record:
         with open(args.record, "a") as f:
             f.write(f"\n## serve: k3 engine vs HF generate ({datetime.date.today()})\n\n"

@@ -81,6 +81,27 @@ def test_compiled_attn_res_reads_never_fall_back_to_eager(caplog):
     assert not [m for m in hits if "attn_res_read" in m], hits
 
 
+def test_training_steps_trace_once():
+    """After the first step, training steps replay what was traced, with or without balance_step
+    between them (the router's records for it are kept outside the traced graph): a traced list
+    append made every step, and every micro-batch, a new MoE graph."""
+    from torch._dynamo.utils import counters
+
+    from k3.model.balance import balance_step
+
+    torch._dynamo.reset()
+    model = K3ForCausalLM(load_config("k3-tiny")).train()
+    compile_regions(model, backend="eager")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    model(ids).sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(2):  # micro-batches of one step: records accumulate
+        model(ids).sum().backward()
+    balance_step(model, "quantile")
+    model(ids).sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compiling_twice_keeps_the_compiled_regions():
     model = K3ForCausalLM(load_config("k3-tiny"))
     first = compile_regions(model, backend="eager")

@@ -78,10 +78,18 @@ class MoEGate(KeepsFP32):
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights * self.routed_scaling_factor
         if self.training:
-            load = expert_counts(idx, self.num_experts)
-            self._score_parts.append(scores.detach())
-            self.expert_load = load if self.expert_load is None else self.expert_load + load
+            self._record(scores.detach(), idx)
         return weights, idx
+
+    @torch.compiler.disable
+    def _record(self, scores: torch.Tensor, idx: torch.Tensor) -> None:
+        """Keep what balance_step needs. Runs eager inside a compiled MoE region: traced, the list
+        append made dynamo guard on the list's length, so every micro-batch index compiled a new
+        graph, and a loop without balance_step recompiled the MoE at every step until dynamo gave
+        up and ran it eager."""
+        load = expert_counts(idx, self.num_experts)
+        self._score_parts.append(scores)
+        self.expert_load = load if self.expert_load is None else self.expert_load + load
 
 
 class StableLatentMoE(nn.Module):
