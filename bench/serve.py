@@ -25,6 +25,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,26 +94,36 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, floa
 
 
 def bench_k3(model, prompts: list[list[int]], new_tokens: list[int], budget: int, max_num_seqs: int,
-             cuda_graphs: bool = True, compile: str | None = None) -> tuple[float, float, list[list[int]]]:
+             cuda_graphs: bool = True, compile: str | None = None) -> tuple[float, float, list[list[int]], dict]:
     """All requests submitted at once; the engine runs at most `max_num_seqs` of them at a time
-    (continuous batching) and its cache holds that many requests' pages."""
+    (continuous batching) and its cache holds that many requests' pages. Returns the mean TTFT, the
+    elapsed time, each request's tokens, and per kind of forward (k3.serve.runner.STEP_KINDS) how
+    many ran and the seconds their steps took (each step synchronized: sampling reads the chosen
+    tokens back to the host every step anyway)."""
     longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                            max_model_len=max(longest, 4096), enable_prefix_caching=False,
                                            cache_bytes=_engine_cache_bytes(model, max_num_seqs, longest),
                                            cuda_graphs=cuda_graphs, compile=compile))
     device = next(model.parameters()).device
+    counts = engine.runner.step_counts
+    seconds: Counter[str] = Counter()
     _sync(device)
     t0 = time.perf_counter()
     requests = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
                 for p, n in zip(prompts, new_tokens)]
     first: dict[str, float] = {}
     while engine.has_unfinished:
-        for o in engine.step():
+        before, t = counts.copy(), time.perf_counter()
+        outputs = engine.step()
+        _sync(device)
+        for kind in counts - before:  # one forward per step
+            seconds[kind] += time.perf_counter() - t
+        for o in outputs:
             first.setdefault(o.request_id, time.perf_counter() - t0)
-    _sync(device)
     elapsed = time.perf_counter() - t0
-    return sum(first.values()) / len(first), elapsed, [r.output_token_ids for r in requests]
+    steps = {kind: {"count": counts[kind], "seconds": seconds[kind]} for kind in counts}
+    return sum(first.values()) / len(first), elapsed, [r.output_token_ids for r in requests], steps
 
 
 @torch.inference_mode()
@@ -191,7 +202,8 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
     result = {"hf_tokens_per_s": n / hf_time, "hf_ttft_s": hf_ttft, "dtype": str(dtype).removeprefix("torch."),
               "hf_prefill_rel_err": hf_rel, "hf_first_token_agreement": hf_first,
               "k3_prefill_rel_err": k3_rel, "k3_first_token_agreement": k3_first}
-    for mode, (ttft, elapsed, out) in k3.items():
+    for mode, (ttft, elapsed, out, steps) in k3.items():
+        result[f"k3_{mode}_steps"] = steps
         result[f"k3_{mode}_tokens_per_s"] = n / elapsed
         result[f"k3_{mode}_ttft_s"] = ttft
         result[f"k3_{mode}_throughput_ratio"] = hf_time / elapsed
@@ -213,14 +225,15 @@ def run_mixed(hf, ours, workload: dict, vocab: int) -> dict:
     _, graphs, _ = K3_MODES[mode]
     hf_time, hf_out = bench_hf_batches(hf, prompts, wants, concurrency)
     print(f"mixed workload: HF static batches took {hf_time:.1f} s", flush=True)
-    ttft, k3_time, k3_out = bench_k3(ours, prompts, wants, budget, concurrency, graphs)
+    ttft, k3_time, k3_out, steps = bench_k3(ours, prompts, wants, budget, concurrency, graphs)
     print(f"mixed workload: k3 engine ({mode}) took {k3_time:.1f} s", flush=True)
     n = sum(wants)
     return {**workload, "mode": mode, "output_tokens": n, "hf_tokens_per_s": n / hf_time,
             "hf_useful_fraction": n / sum(max(wants[i:i + concurrency]) * len(wants[i:i + concurrency])
                                           for i in range(0, len(wants), concurrency)),
             f"k3_{mode}_tokens_per_s": n / k3_time, f"k3_{mode}_ttft_s": ttft,
-            f"k3_{mode}_throughput_ratio": hf_time / k3_time, f"k3_{mode}_agreement_with_hf": agreement(hf_out, k3_out)}
+            f"k3_{mode}_throughput_ratio": hf_time / k3_time, f"k3_{mode}_agreement_with_hf": agreement(hf_out, k3_out),
+            f"k3_{mode}_steps": steps}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:

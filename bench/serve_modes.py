@@ -26,4 +26,11 @@ def mixed_line(m: dict) -> str:
             f"({m['hf_useful_fraction']:.0%} of its decoded rows were asked for), k3 engine ({K3_MODES[mode][0]}) "
             f"{m[f'k3_{mode}_tokens_per_s']:,.0f} tokens/s, **{m[f'k3_{mode}_throughput_ratio']:.2f}x**, "
             f"mean TTFT {m[f'k3_{mode}_ttft_s']:.3f} s; greedy agreement with HF "
-            f"{m[f'k3_{mode}_agreement_with_hf']:.1%}")
+            f"{m[f'k3_{mode}_agreement_with_hf']:.1%}; engine forwards: {steps_line(m.get(f'k3_{mode}_steps', {}))}")
+
+
+def steps_line(steps: dict[str, dict]) -> str:
+    """The runner's forwards by kind (k3.serve.runner.STEP_KINDS): how many, and the seconds their
+    steps took; the costliest kind first."""
+    return ", ".join(f"{s['count']} {kind} in {s['seconds']:.1f} s"
+                     for kind, s in sorted(steps.items(), key=lambda kv: -kv[1]["seconds"])) or "not recorded"

@@ -93,7 +93,8 @@ def test_completions_stream_equals_non_stream(tiny):
     text = httpx.get(server.url + "/metrics").text
     for name in ("k3_requests_running", "k3_requests_waiting", "k3_cache_usage", "k3_prefix_cache_queries_total",
                  "k3_prefix_cache_hits_total", "k3_time_to_first_token_seconds_bucket",
-                 "k3_inter_token_latency_seconds_bucket", "k3_generation_tokens_total"):
+                 "k3_inter_token_latency_seconds_bucket", "k3_generation_tokens_total",
+                 'k3_runner_steps_total{kind="packed"}'):
         assert name in text, name
 
 

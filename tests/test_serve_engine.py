@@ -22,6 +22,7 @@ from k3.model.generate import generate
 from k3.model.transformer import K3ForCausalLM
 from k3.serve.chat_format import ChatFormat
 from k3.serve import runner as runner_module
+from k3.serve.runner import STEP_KINDS
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.train.tokenizer import train_tokenizer
@@ -181,6 +182,11 @@ def test_decode_graphs_capture_replay_and_recapture_exactly(model, prompts, monk
     assert leaves.output_token_ids == generate(model, [prompts[0]], 10)[0]
     # captured for the pair, again for the one left, and again after its buffers grew to 96 rows
     assert StandInGraph.captures == 3
+    counts = engine.runner.step_counts
+    assert counts["decode_graph_capture"] == 3 and counts["decode_graph_replay"] > 0
+    # every step counted once: one packed prefill, stopped one token short by the prompt-end KDA
+    # checkpoint (prefix caching), then a decode step for each of `stays`'s 40 tokens
+    assert counts["packed"] == 1 and sum(counts[k] for k in STEP_KINDS if k.startswith("decode")) == 40, counts
     assert engine.runner._resident is None and engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 

@@ -19,6 +19,7 @@ W = kv_lora_rank + qk_rope_head_dim, H/K/V KDA heads / key dim / value dim, 3C c
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,10 @@ from k3.serve.scheduler import ScheduledRequest, SchedulerOutput
 # more tokens in the cache's MLA buffers (they cannot grow under a live graph).
 CAPTURE_AFTER_REUSES = 2
 GRAPH_MIN_ROOM = 16
+# ModelRunner.step_counts keys: a packed forward (prefill chunks, with or without decode rows); a
+# decode step over a cache built from pages (a new batch), or eager over the kept cache, or the
+# step that captured a graph (it runs the step too), or a replay
+STEP_KINDS = ("packed", "decode_eager_built", "decode_eager_reused", "decode_graph_capture", "decode_graph_replay")
 
 
 @dataclass
@@ -64,6 +69,8 @@ class ModelRunner:
         self._state_shape = (L.kda_heads, L.kda_head_dim, L.kda_head_dim)
         self._conv_shape = (L.conv_channels, L.conv_tail)
         self._resident: ResidentCache | None = None
+        # forwards by how they ran (STEP_KINDS): how often batches change and graphs pay off
+        self.step_counts: Counter[str] = Counter()
         # graphs need CUDA and routed experts that never read counts on the host (grouped_mm)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and capturable_experts(model)
 
@@ -174,13 +181,17 @@ class ModelRunner:
         cache = resident.cache
         room = min((s.capacity for s in cache.layers if isinstance(s, MLAState)), default=None)
         room = None if room is None else room - int(cache.lengths.max())
+        captured = False
         if room is not None and room < 1:
             resident.graph = None  # the eager forward reallocates the buffers the graph holds
         elif (resident.graph is None and self.cuda_graphs and resident.reuses >= CAPTURE_AFTER_REUSES
               and (room is None or room >= GRAPH_MIN_ROOM)):
             resident.graph = CUDAGraphDecoder(self.model, cache, warmup_steps=1)
+            captured = True
         if resident.graph is not None:
+            self.step_counts["decode_graph_capture" if captured else "decode_graph_replay"] += 1
             return resident.graph.step(ids)
+        self.step_counts["decode_eager_built" if resident.reuses == 0 else "decode_eager_reused"] += 1
         return self.model(ids.view(-1, 1), cache=cache)[:, 0]
 
     @torch.inference_mode()
@@ -203,6 +214,7 @@ class ModelRunner:
         if len(requests) == ids.numel():  # decode only: a uniform [N, 1] batch takes the batched paths
             logits = self._decode(ids, resident)
         else:
+            self.step_counts["packed"] += 1
             logits = self.model(ids[None], cu_seqlens=cu, cache=cache)[0]
         self.write_back(requests, cache)
         self._copy(plan.copy_after)

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from k3.serve.engine import LLMEngine
+from k3.serve.runner import STEP_KINDS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -35,6 +36,11 @@ class _EngineCollector:
                                   value=e.scheduler.num_preemptions)
         yield CounterMetricFamily("k3_pool_evictions", "Cached pages reused for new content",
                                   value=e.cache.pool.num_evictions)
+        steps = CounterMetricFamily("k3_runner_steps", "Model forwards by how they ran (k3.serve.runner.STEP_KINDS)",
+                                    labels=["kind"])
+        for kind in STEP_KINDS:
+            steps.add_metric([kind], e.runner.step_counts[kind])
+        yield steps
 
 
 class Metrics:
