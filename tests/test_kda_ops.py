@@ -146,6 +146,29 @@ def test_packed_sequences_equal_separate_runs(impl):
         assert_rel_close(f"state[seq {n}]", s_n, s[n:n + 1], TOL)
 
 
+@pytest.mark.parametrize("with_state", [True, False])
+def test_packed_decode_rows_equal_padded_chunk_with_gradients(with_state):
+    """A serving step's shape (one-token decode rows around a prefill chunk): the split path
+    (k3/ops/kda/decode_rows.py) equals kda_chunk over the whole padded batch, outputs, final states
+    and the gradients of every input."""
+    lengths = [1, 1, 30, 1, 7]
+    N, H, K = len(lengths), 2, 16
+    inputs = make_inputs(1, sum(lengths), H, K, K, "softplus", with_state=with_state, N=N)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    results = []
+    for run in (kda_chunk, lambda *a, **kw: kda(*a, **kw, impl="chunk")):
+        leaves = [t.clone().requires_grad_() for t in inputs if t is not None]
+        o, s = run(*leaves[:5], initial_state=leaves[5] if with_state else None, output_final_state=True,
+                   cu_seqlens=cu, chunk_size=16)
+        grads = torch.autograd.grad((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() + s.square().sum(), leaves)
+        results.append((o, s, grads))
+    (o_ref, s_ref, g_ref), (o, s, g) = results
+    assert_rel_close("o", o_ref, o, TOL)
+    assert_rel_close("state", s_ref, s, TOL)
+    for name, a, b in zip("q k v g beta h0".split(), g_ref, g):
+        assert_rel_close(f"d{name}", a, b, TOL)
+
+
 def test_kda_output_dtype_and_state_dtype():
     q, k, v, g, beta, h0 = make_inputs(1, 20, 2, 16, 16, "lb")
     o, s = kda(q, k, v.to(torch.bfloat16), g, beta, initial_state=h0, output_final_state=True, impl="chunk")

@@ -5,7 +5,8 @@
 
 Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same function:
 - "recurrent": token-by-token fp32 reference (`reference.py`); the CPU decode path (T == 1).
-- "chunk":     chunkwise parallel plain torch (`chunk.py`); the CPU training/prefill path.
+- "chunk":     chunkwise parallel plain torch (`chunk.py`); the CPU training/prefill path. A packed
+               batch's one-token sequences run the recurrent step instead (`decode_rows.py`).
 - "fla":       fla's Triton kernels on CUDA (`fla_backend.py`).
 "auto" picks fla for half-precision values (bf16, fp16) on CUDA when it imports, else recurrent
 when every sequence is one token long, else chunk; it logs each choice once. fp32 stays on the torch
@@ -32,6 +33,7 @@ import torch
 from k3.ops import fla_kernels
 from k3.ops.kda import fla_backend
 from k3.ops.kda.chunk import kda_chunk
+from k3.ops.kda.decode_rows import kda_packed
 from k3.ops.kda.gate import DecayGate, activate_gate
 from k3.ops.kda.inputs import l2_normalize
 from k3.ops.kda.reference import kda_recurrent
@@ -82,6 +84,8 @@ def kda(
                                              normalize_qk=normalize_qk, gate=gate)
     elif impl == "recurrent":
         o, final_state = kda_recurrent(q, k, v, g, beta, **common)
+    elif cu_seqlens is not None:  # a serving step's decode rows must not be padded to a chunk each
+        o, final_state = kda_packed(q, k, v, g, beta, **common, chunk_size=chunk_size)
     else:
         o, final_state = kda_chunk(q, k, v, g, beta, **common, chunk_size=chunk_size)
     if update_state_in_place and final_state is not initial_state:  # fla's decode kernel wrote it already
