@@ -28,7 +28,6 @@ import torch
 from k3.ops import fla_kernels
 from k3.ops.kda.gate import DecayGate
 from k3.ops.kda.inputs import check_kda_inputs
-from k3.ops.varlen import longest_sequence
 
 FLA_CHUNK_SIZES = (32, 64)
 
@@ -71,7 +70,11 @@ def kda_fla(
     if gate is not None:
         common.update(use_gate_in_kernel=True, A_log=gate.A_log.float().reshape(-1),
                       dt_bias=gate.dt_bias.float(), lower_bound=gate.lower_bound)
-    decode = longest_sequence(q.shape[1], cu_seqlens) == 1 and not needs_grad
+    # Only a uniform [N, 1] batch takes the decode kernel; packed rows always run chunk_kda, which
+    # handles one-token sequences too. Telling a packed batch of one-token rows apart would read the
+    # lengths back to the host in every KDA layer of every packed step, and inside a compiled region
+    # that read breaks the graph (run 17's log). The engine sends decode-only steps as [N, 1].
+    decode = cu_seqlens is None and q.shape[1] == 1 and not needs_grad
     if decode and update_state_in_place:
         # writes into initial_state (the caller's, as k3.ops.kda checked it is contiguous fp32);
         # the raw kernel entry skips fla's input_guard: hand it contiguous tensors
