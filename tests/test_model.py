@@ -68,6 +68,23 @@ def test_packed_equals_separate(model):
         assert_rel_close(f"doc {i}", model(s[None])[0], packed[cu[i]:cu[i + 1]], 1e-5)
 
 
+def test_logits_to_keep_selects_rows(model):
+    """Packed rows continuing a cache, logits at each document's last token only (what a serving
+    step samples from): the same rows as the full logits, and the cache advanced the same."""
+    lens = [5, 1, 12]
+    ids = torch.randint(0, 256, (1, sum(lens)))
+    cu = torch.tensor([0] + lens).cumsum(0)
+    last = cu[1:] - 1
+    caches = [K3Cache.empty(model.config, len(lens)) for _ in range(2)]
+    full = model(ids, cu_seqlens=cu, cache=caches[0])
+    kept = model(ids, cu_seqlens=cu, cache=caches[1], logits_to_keep=last)
+    assert kept.shape == (1, len(lens), model.config.vocab_size)
+    assert_rel_close("kept rows", full[:, last], kept, 1e-6)
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == lens
+    with pytest.raises(ValueError, match="padded"):
+        model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=last)
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_separate(model, side):
     lens = [7, 19, 12]

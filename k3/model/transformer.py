@@ -124,17 +124,22 @@ class K3ForCausalLM(nn.Module):
                 module.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
+                logits_to_keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] in fp32.
 
         cu_seqlens [N+1] (B == 1): packed documents. cache: N sequences continued in place
         (N = B, or len(cu_seqlens) - 1). attention_mask [B, T] (1 = token): padded rows; pad
-        positions get zero logits."""
+        positions get zero logits. logits_to_keep [P] (positions along T, as HF's tensor form):
+        logits [B, P, V] of those positions only; a serving step samples from one position per
+        sequence, and a [T, V] fp32 prefill logit tensor is the largest thing it would write."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if attention_mask is not None:
             if cu_seqlens is not None:
                 raise ValueError("pass either attention_mask (padded rows) or cu_seqlens (packed rows), not both")
+            if logits_to_keep is not None:
+                raise ValueError("logits_to_keep selects positions of packed or uniform rows, not of padded ones")
             return self._forward_padded(input_ids, attention_mask, cache)
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs a single packed row, got batch {input_ids.shape[0]}")
@@ -145,7 +150,10 @@ class K3ForCausalLM(nn.Module):
             new_tokens = (cu_seqlens.diff().cpu() if cu_seqlens is not None
                           else torch.full((num_seqs,), input_ids.shape[1], dtype=torch.long))
             cache.reserve(new_tokens)
-        logits = self.lm_head(self.model(input_ids, cu_seqlens, cache)).float()
+        hidden = self.model(input_ids, cu_seqlens, cache)
+        if logits_to_keep is not None:
+            hidden = hidden[:, logits_to_keep]
+        logits = self.lm_head(hidden).float()
         if cache is not None:
             cache.lengths += new_tokens
         return logits

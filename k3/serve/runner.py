@@ -211,18 +211,17 @@ class ModelRunner:
         cache = resident.cache
         ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)
         cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
+        chosen = [n for n, r in enumerate(requests) if r.sample]  # chunks that reach their last known token
         if len(requests) == ids.numel():  # decode only: a uniform [N, 1] batch takes the batched paths
-            logits = self._decode(ids, resident)
-        else:
+            rows = self._decode(ids, resident)[chosen]
+        else:  # logits only at the chosen chunks' last tokens
             self.step_counts["packed"] += 1
-            logits = self.model(ids[None], cu_seqlens=cu, cache=cache)[0]
+            rows = self.model(ids[None], cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:][chosen] - 1)[0]
         self.write_back(requests, cache)
         self._copy(plan.copy_after)
         resident.requests = requests
         self._resident = resident
-        chosen = [n for n, r in enumerate(requests) if r.sample]
         if not chosen:
             return {}
         rids = [requests[n].request_id for n in chosen]
-        rows = logits[cu[1:][chosen] - 1]
         return dict(zip(rids, self.sampler.sample(rows, rids, [params[rid] for rid in rids])))
