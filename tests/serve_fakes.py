@@ -44,7 +44,7 @@ class FakeModel(nn.Module):
         self.config = fake_config(vocab_size)
         self.anchor = nn.Parameter(torch.zeros(1))  # gives the runner a device and dtype
 
-    def forward(self, input_ids, *, cu_seqlens=None, cache=None):
+    def forward(self, input_ids, *, cu_seqlens=None, cache=None, logits_to_keep=None):
         assert cache is not None
         shape = input_ids.shape
         if cu_seqlens is None:  # a uniform batch [N, T]: the same as N packed sequences of T
@@ -74,7 +74,8 @@ class FakeModel(nn.Module):
                 mla = int((lat[:, 0] * lat[:, 1]).sum()) % 9973
                 logits[0, pos, self.predict(lat[:, 1].long().tolist(), kda, tail, mla)] = 1.0
         cache.lengths += torch.tensor(cu_seqlens.diff().tolist())
-        return logits.view(*shape, -1)
+        logits = logits.view(*shape, -1)
+        return logits if logits_to_keep is None else logits[:, logits_to_keep]
 
     def predict(self, history: list[int], kda: int, tail: int, mla: int) -> int:
         return (3 * kda + 5 * tail + 7 * mla + len(history)) % VOCAB
