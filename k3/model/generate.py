@@ -47,7 +47,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     cache = K3Cache.empty(model.config, len(prompts), device=device, dtype=dtype)
     ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
     cu = torch.tensor([0] + [len(p) for p in prompts], device=device).cumsum(0)
-    logits = model(ids, cu_seqlens=cu, cache=cache)[0, cu[1:] - 1]  # last position of each prompt
+    logits = model(ids, cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:] - 1)[0]  # last position of each prompt
     outputs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))  # prompt index of each row of the cache
     for _ in range(max_new_tokens):
