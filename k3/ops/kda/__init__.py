@@ -33,7 +33,7 @@ import torch
 from k3.ops import fla_kernels
 from k3.ops.kda import fla_backend
 from k3.ops.kda.chunk import kda_chunk
-from k3.ops.kda.decode_rows import kda_packed
+from k3.ops.kda.decode_rows import kda_split_decode_rows
 from k3.ops.kda.gate import DecayGate, activate_gate
 from k3.ops.kda.inputs import l2_normalize
 from k3.ops.kda.reference import kda_recurrent
@@ -85,7 +85,7 @@ def kda(
     elif impl == "recurrent":
         o, final_state = kda_recurrent(q, k, v, g, beta, **common)
     elif cu_seqlens is not None:  # a serving step's decode rows must not be padded to a chunk each
-        o, final_state = kda_packed(q, k, v, g, beta, **common, chunk_size=chunk_size)
+        o, final_state = kda_split_decode_rows(q, k, v, g, beta, **common, chunk_size=chunk_size)
     else:
         o, final_state = kda_chunk(q, k, v, g, beta, **common, chunk_size=chunk_size)
     if update_state_in_place and final_state is not initial_state:  # fla's decode kernel wrote it already

@@ -5,7 +5,7 @@ of a newly admitted one. `kda_chunk` alone would pad every sequence to the longe
 to a whole chunk: each decode row would cost a chunk of 64 positions. Here the one-token sequences
 run the recurrent step as one [n, 1] batch, the others run chunked among themselves, and outputs
 and final states go back to their places. Both halves compute the same function (chunk =
-recurrent, tests/test_kda.py), so the split changes nothing but the cost.
+recurrent, tests/test_kda_ops.py), so the split changes nothing but the cost.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from k3.ops.kda.reference import kda_recurrent
 from k3.ops.varlen import seq_lengths
 
 
-def kda_packed(
+def kda_split_decode_rows(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
