@@ -51,7 +51,9 @@ SECTIONS = [
     Section("checks:layers", 280, 20),
     Section("checks:moe", 40, 10),
     Section("bench:decode", 420, 25),  # 60 rows of ~2-20 s each, in order of importance (gpu_bench.py)
-    Section("bench:serve", 240, 40),  # uniform workload (warm-up + measured round, 4 engines), then the mixed one
+    # uniform workload (warm-up + measured round, 4 engines: ~200 s in run 17), then the mixed one
+    # (HF alone took 30 s there)
+    Section("bench:serve", 330, 40),
     # eager, then regional torch.compile: 195 s in run 15 reached only the eager row (probe, first-step
     # JIT, timing); compiling the regions adds ~50-100 s
     Section("bench:train", 330, 30),

@@ -1,15 +1,17 @@
 """The engine with the real k3-tiny model at random init: greedy outputs equal the model's own
 `generate` for any prefix-cache setting, batch composition and chunked-prefill size, with decode
-steps reusing the previous step's cache; requests leaving and joining mid-decode change nobody
-else's tokens, and a replaced cache is freed; the decode-graph bookkeeping (capture, replay,
-recapture when the batch changes or its MLA buffers fill) is exact, with the graph stood in for
-on CPU; short prompts hit on resend; a 10-turn chat reuses its previous turns."""
+steps continuing on the decode slots without refilling them; requests leaving and joining
+mid-decode change nobody else's tokens, and a packed step's cache is freed at once; the
+decode-graph bookkeeping (one capture per slot shape, replayed across batch changes, all dropped
+when the slots grow) is exact, with the graph stood in for on CPU; short prompts hit on resend; a
+10-turn chat reuses its previous turns."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import logging
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from k3.model.decode_graph import _restore, _snapshot
 from k3.model.generate import generate
 from k3.model.transformer import K3ForCausalLM
 from k3.serve.chat_format import ChatFormat
-from k3.serve import runner as runner_module
+from k3.serve import decode_slots as slots_module
 from k3.serve.runner import STEP_KINDS
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
@@ -62,10 +64,11 @@ def reference(model, prompts):
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def track_cache_builds(engine: LLMEngine) -> tuple[list[weakref.ref], dict[str, int]]:
-    """Weak references to every K3Cache the runner builds from pages, and a count of the steps
-    that ran a forward: fewer builds than steps means decode steps reused the resident cache."""
-    built, counts = [], {"steps": 0}
+def track_steps(engine: LLMEngine) -> tuple[list[weakref.ref], list[str]]:
+    """Weak references to every K3Cache the runner builds from pages (packed steps), and per step
+    that ran a forward what it did: 'packed', 'fill' (a decode step that refilled the slots) or
+    'continue' (a decode step on the rows the previous one left)."""
+    built, steps = [], []
     runner = engine.runner
     build_cache, execute = runner.build_cache, runner.execute
 
@@ -74,12 +77,16 @@ def track_cache_builds(engine: LLMEngine) -> tuple[list[weakref.ref], dict[str, 
         built.append(weakref.ref(cache))
         return cache
 
-    def counted_execute(out, params):
-        counts["steps"] += bool(out.requests)
-        return execute(out, params)
+    def tracked_execute(out, params):
+        packed, fills = runner.step_counts["packed"], runner.slot_fills
+        sampled = execute(out, params)
+        if out.requests:
+            steps.append("packed" if runner.step_counts["packed"] > packed
+                         else "fill" if runner.slot_fills > fills else "continue")
+        return sampled
 
-    runner.build_cache, runner.execute = tracked_build, counted_execute
-    return built, counts
+    runner.build_cache, runner.execute = tracked_build, tracked_execute
+    return built, steps
 
 
 @pytest.mark.parametrize("prefix_caching,budget,max_seqs", [
@@ -88,9 +95,10 @@ def track_cache_builds(engine: LLMEngine) -> tuple[list[weakref.ref], dict[str, 
 def test_greedy_matches_generate(model, prompts, reference, prefix_caching, budget, max_seqs):
     engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, max_num_batched_tokens=budget,
                                            max_num_seqs=max_seqs, enable_prefix_caching=prefix_caching))
-    built, counts = track_cache_builds(engine)
+    built, steps = track_steps(engine)
     assert engine.generate(prompts, GREEDY) == reference
-    assert len(built) < counts["steps"]  # decode steps ran on the resident cache
+    assert "continue" in steps  # decode steps ran on the rows the previous step left
+    assert len(built) == steps.count("packed")
     # again, now from the prefix cache, and in another batch composition
     order = [4, 1, 3, 0, 2]
     assert engine.generate([prompts[i] for i in order], GREEDY) == [reference[i] for i in order]
@@ -112,7 +120,7 @@ def test_compiled_regions_change_no_token(model, prompts, reference, caplog):
 
 def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, prompts):
     engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8))
-    built, counts = track_cache_builds(engine)
+    built, steps = track_steps(engine)
 
     def greedy(n: int) -> SamplingParams:
         return dataclasses.replace(GREEDY, max_tokens=n)
@@ -123,16 +131,16 @@ def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, 
     cancelled = engine.add_request(prompts[3], greedy(8))  # after step 6
     while engine.has_unfinished:
         engine.step()
-        if counts["steps"] == 4:  # takes the finished one's place: a prefix hit, one token to compute
+        if len(steps) == 4:  # takes the finished one's place: a prefix hit, one token to compute
             joins = engine.add_request(prompts[1], greedy(5))
-        if counts["steps"] == 6:
+        if len(steps) == 6:
             engine.abort(cancelled.request_id)
-        # only the cache of the current set of requests may be alive: a replaced one is freed at once
-        assert not any(ref() is not None for ref in built[:-1])
-    assert built[-1]() is None  # and once idle, that one too
+        assert all(ref() is None for ref in built)  # a packed step's cache is freed with the step
+    assert engine.runner.slots.holds is None  # idle: the slots hold no finished request
     assert joins.num_cached_tokens == len(prompts[1]) - 1
-    # built for steps 1 (prefill), 5 (one left, one joined) and 7 (after the cancellation); the others reused
-    assert (counts["steps"], len(built)) == (9, 3)
+    # the slots are filled after the prefill (step 2), for the batch with one left and one joined
+    # (step 5) and after the cancellation (step 7); the other decode steps continue on them
+    assert steps == ["packed", "fill", "continue", "continue", "fill", "continue", "fill", "continue", "continue"]
     for request, prompt, n in [(stays, 0, 8), (finishes, 1, 3), (joins, 1, 5)]:
         assert request.output_token_ids == generate(model, [prompts[prompt]], n)[0]
     assert cancelled.output_token_ids == generate(model, [prompts[3]], 8)[0][:5]
@@ -143,10 +151,11 @@ class StandInGraph:
     """CUDAGraphDecoder's contract on CPU: a warm-up step that the cache is restored from, then
     each step runs on exactly the tensors seen at capture (a real graph would read and write those
     addresses whatever the cache held later; a reallocated buffer would go silently stale)."""
-    captures = 0
+    shapes: list[tuple[int, int]] = []
 
-    def __init__(self, model, cache, warmup_steps: int = 2):
-        StandInGraph.captures += 1
+    def __init__(self, model, cache, warmup_steps: int = 2, pool=None):
+        mla = next(s for s in cache.layers if isinstance(s, MLAState))
+        StandInGraph.shapes.append((cache.num_seqs, mla.capacity))
         self.model, self.cache, self.addresses = model, cache, self._addresses(cache)
         saved = _snapshot(cache)
         for _ in range(warmup_steps):
@@ -164,30 +173,39 @@ class StandInGraph:
         return self.model(tokens.view(-1, 1), cache=self.cache)[:, 0]
 
 
-def test_decode_graphs_capture_replay_and_recapture_exactly(model, prompts, monkeypatch):
-    monkeypatch.setattr(runner_module, "CUDAGraphDecoder", StandInGraph)
-    # small MLA growth steps, so the buffers fill (and the graph is dropped, then recaptured) mid-decode
-    monkeypatch.setattr(cache_module, "MLA_CAPACITY_STEP", 32)
-    monkeypatch.setattr(runner_module, "MLA_CAPACITY_STEP", 32)
-    monkeypatch.setattr(runner_module, "GRAPH_MIN_ROOM", 4)
+def test_decode_graphs_one_capture_per_shape_replayed_across_batches(model, prompts, monkeypatch):
+    monkeypatch.setattr(slots_module, "CUDAGraphDecoder", StandInGraph)
+    # small latent column steps, so the longest request outgrows its columns mid-decode
+    monkeypatch.setattr(slots_module, "MLA_CAPACITY_STEP", 16)
     engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8))
-    engine.runner.cuda_graphs = True  # what a CUDA device with grouped_mm experts sets
-    StandInGraph.captures = 0
-    long = dataclasses.replace(GREEDY, max_tokens=40)
-    stays = engine.add_request(prompts[2], long)  # 40 + 40 tokens: fills a 64-row buffer
-    leaves = engine.add_request(prompts[0], dataclasses.replace(GREEDY, max_tokens=10))
+    runner = engine.runner
+    runner.slots.cuda_graphs = runner.cuda_graphs = True  # what a CUDA device with grouped_mm experts sets
+    StandInGraph.shapes = []
+    _, steps = track_steps(engine)
+
+    def greedy(n: int) -> SamplingParams:
+        return dataclasses.replace(GREEDY, max_tokens=n)
+
+    # prompts of 40, 3 and 9 tokens; the second finishes at step 3 and the third joins then
+    long = engine.add_request(prompts[2], greedy(30))
+    short = engine.add_request(prompts[0], greedy(3))
     while engine.has_unfinished:
         engine.step()
-    assert stays.output_token_ids == generate(model, [prompts[2]], 40)[0]
-    assert leaves.output_token_ids == generate(model, [prompts[0]], 10)[0]
-    # captured for the pair, again for the one left, and again after its buffers grew to 96 rows
-    assert StandInGraph.captures == 3
-    counts = engine.runner.step_counts
-    assert counts["decode_graph_capture"] == 3 and counts["decode_graph_replay"] > 0
-    # every step counted once: one packed prefill, stopped one token short by the prompt-end KDA
-    # checkpoint (prefix caching), then a decode step for each of `stays`'s 40 tokens
-    assert counts["packed"] == 1 and sum(counts[k] for k in STEP_KINDS if k.startswith("decode")) == 40, counts
-    assert engine.runner._resident is None and engine.cache.pool.num_free == engine.cache.pool.num_pages
+        if len(steps) == 3:
+            joins = engine.add_request(prompts[3], greedy(20))
+    for request, prompt, n in [(long, 2, 30), (short, 0, 3), (joins, 3, 20)]:
+        assert request.output_token_ids == generate(model, [prompts[prompt]], n)[0]
+    counts = runner.step_counts
+    # every shape captured once, and replayed after batch changes refilled the slots
+    assert len(StandInGraph.shapes) == len(set(StandInGraph.shapes)) == counts["decode_graph_capture"], StandInGraph.shapes
+    assert counts["decode_graph_replay"] > 0 and runner.slot_fills > counts["decode_graph_capture"], (counts, runner.slot_fills)
+    # the first pair captures (2 rows, 64 columns: 40 + 1 tokens in 16-column steps, rounded up to
+    # a power of two); the second pair (after the join) replays that graph on other requests; the
+    # long request alone captures (1, 64), then outgrows 64 columns: the slots grow, every graph is
+    # dropped, and (1, 128) is captured
+    assert StandInGraph.shapes == [(2, 64), (1, 64), (1, 128)]
+    assert steps.count("fill") == 4 and counts["decode_eager"] == 0
+    assert sum(counts[k] for k in STEP_KINDS if k.startswith("decode")) + counts["packed"] == len(steps)
 
 
 def test_short_prompt_hits_on_second_send(model):
@@ -217,3 +235,11 @@ def test_ten_turn_chat_reuses_previous_turns(model, tokenizer):
     hit_rate = sum(rates[1:]) / 9
     print(f"10-turn chat: prompt-token hit rate on turns 2-10 = {hit_rate:.1%} (per turn {[f'{r:.0%}' for r in rates]})")
     assert rates[0] == 0 and hit_rate >= 0.7
+
+
+def test_one_token_prompt_decodes_from_an_empty_cache(model, prompts):
+    """One-token prompts: the first step is a decode step with nothing cached yet, so the slots
+    are filled with zero latent columns."""
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8))
+    batch = [prompts[0][:1], prompts[1][:1]]
+    assert engine.generate(batch, GREEDY) == generate(model, batch, 4)

@@ -21,7 +21,9 @@ from k3.model.experts import RoutedExperts, grouped_mm_available
 
 
 class CUDAGraphDecoder:
-    def __init__(self, model: torch.nn.Module, cache: K3Cache, warmup_steps: int = 2):
+    def __init__(self, model: torch.nn.Module, cache: K3Cache, warmup_steps: int = 2, pool=None):
+        """`pool`: a memory pool (torch.cuda.graph_pool_handle()) shared with other decoders that
+        never replay at the same time, so their intermediates take one allocation."""
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"CUDAGraphDecoder needs a CUDA model, got device {device}")
@@ -44,7 +46,7 @@ class CUDAGraphDecoder:
         torch.cuda.current_stream(device).wait_stream(side)
         _restore(cache, saved)  # the capture then sees the lengths the first replay will see
         self.graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(self.graph):
+        with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(self.tokens, cache=cache)[:, -1]  # [N, V] fp32, rewritten by each replay
         _restore(cache, saved)
 

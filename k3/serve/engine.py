@@ -153,8 +153,8 @@ class LLMEngine:
         with self._lock:
             for request in self.scheduler.update(out, sampled):
                 outputs.append(self._output(request, [sampled[request.request_id]]))
-            if not self.scheduler.has_unfinished:  # idle: hold no device memory for finished requests
-                self.runner.release_resident_cache()
+            if not self.scheduler.has_unfinished:  # idle: the decode slots hold no finished request
+                self.runner.release_held_requests()
         return outputs
 
     def _output(self, request: Request, new: list[SampledToken]) -> RequestOutput:

@@ -2,54 +2,39 @@
 
 Owns the page pool tensor [num_pages, page_bytes] (uint8; the bookkeeping never looks inside)
 and, per step: executes the page plan (zero fresh private state, copy hit snapshots and
-copy-on-write pages in), builds a `K3Cache` for the scheduled requests from their private KDA
-pages and MLA page tables (a decode step that continues the previous step's requests keeps the
-cache that step left instead: `_take_resident_cache`), runs ONE forward (packed with cu_seqlens
-so requests never share state; a step of one token per request runs as a uniform [N, 1] batch,
-the model's batched decode path), writes the new state and latent rows back into pages, snapshots
-KDA state into checkpoint pages, and samples the requests whose chunk reached their last known token.
+copy-on-write pages in), runs ONE forward, writes the new state and latent rows back into pages,
+snapshots KDA state into checkpoint pages, and samples the requests whose chunk reached their last
+known token.
 
-On CUDA, a decode batch that stays the same for a few steps is captured as a CUDA graph over its
-resident cache (`CUDAGraphDecoder`) and later steps replay it: an eager decode step is host-bound
-(thousands of small kernel launches), a replay is one launch. The graph lives as long as the
-resident cache; a new batch composition captures anew.
+Two kinds of forward:
+- packed (any step with a prompt chunk): a `K3Cache` built from the requests' private KDA pages
+  and MLA page tables, one packed forward with cu_seqlens so requests never share state;
+- decode (one token per request): on the decode slots (k3/serve/decode_slots.py), a cache
+  allocated once. A step that continues the previous decode step's requests finds their state
+  there already (`_slots_continue`); otherwise the rows are refilled from pages (`_fill_slots`). On
+  CUDA the step replays the graph captured for its slot shape: an eager decode step is host-bound
+  (thousands of small kernel launches), a replay is one launch, and a batch change no longer
+  costs the graph.
 
-Legend: N scheduled requests, T packed new tokens, P tokens per page, M MLA layers,
+Legend: N scheduled requests, T packed new tokens, P tokens per page, M MLA layers, Lk KDA layers,
 W = kv_lora_rank + qk_rope_head_dim, H/K/V KDA heads / key dim / value dim, 3C conv channels.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
-from k3.model.cache import MLA_CAPACITY_STEP, K3Cache, KDAState, MLAState
-from k3.model.decode_graph import CUDAGraphDecoder, capturable_experts
+from k3.model.cache import K3Cache, KDAState, MLAState
+from k3.model.decode_graph import capturable_experts
+from k3.serve.decode_slots import DecodeSlots
 from k3.serve.page_layout import PageLayout
 from k3.serve.sampling import SampledToken, Sampler, SamplingParams
 from k3.serve.scheduler import ScheduledRequest, SchedulerOutput
 
-
-# A capture costs about two eager steps, so it waits until the same batch has reused its cache
-# this many times (a batch that changes every step never captures), and needs room for this many
-# more tokens in the cache's MLA buffers (they cannot grow under a live graph).
-CAPTURE_AFTER_REUSES = 2
-GRAPH_MIN_ROOM = 16
 # ModelRunner.step_counts keys: a packed forward (prefill chunks, with or without decode rows); a
-# decode step over a cache built from pages (a new batch), or eager over the kept cache, or the
-# step that captured a graph (it runs the step too), or a replay
-STEP_KINDS = ("packed", "decode_eager_built", "decode_eager_reused", "decode_graph_capture", "decode_graph_replay")
-
-
-@dataclass
-class ResidentCache:
-    """The last executed step's requests, the cache its forward left (equal to their pages), how
-    many steps in a row reused it, and its decode graph once captured."""
-    requests: list[ScheduledRequest]
-    cache: K3Cache
-    reuses: int = 0
-    graph: CUDAGraphDecoder | None = None
+# decode step run eagerly, or the step that captured a graph (it runs the step too), or a replay
+STEP_KINDS = ("packed", "decode_eager", "decode_graph_capture", "decode_graph_replay")
 
 
 class ModelRunner:
@@ -68,11 +53,13 @@ class ModelRunner:
         self._mla_layers = [i for i in range(self.config.num_hidden_layers) if self.config.is_mla_layer(i)]
         self._state_shape = (L.kda_heads, L.kda_head_dim, L.kda_head_dim)
         self._conv_shape = (L.conv_channels, L.conv_tail)
-        self._resident: ResidentCache | None = None
-        # forwards by how they ran (STEP_KINDS): how often batches change and graphs pay off
+        # forwards by how they ran (STEP_KINDS), and decode steps that refilled the slots from pages
+        # (a batch change): how often batches change and graphs pay off
         self.step_counts: Counter[str] = Counter()
+        self.slot_fills = 0
         # graphs need CUDA and routed experts that never read counts on the host (grouped_mm)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and capturable_experts(model)
+        self.slots = DecodeSlots(model, self.cuda_graphs)
 
     # ------------------------------------------------------------------ page views
     def _latent_pages(self) -> torch.Tensor:
@@ -110,33 +97,31 @@ class ModelRunner:
             self.pool[list(dst)] = self.pool[list(src)]
 
     # ------------------------------------------------------------------ one step
-    def _take_resident_cache(self, out: SchedulerOutput) -> ResidentCache | None:
-        """The previous step's cache if this decode step reads exactly what it holds, else None.
-        Either way the runner stops holding it: an unused cache is freed before a new one is built,
-        and a forward that raises leaves no half-updated cache behind.
+    def _slots_continue(self, out: SchedulerOutput) -> bool:
+        """Whether the decode slots hold exactly this decode step's requests, as it needs them.
+        Either way they stop counting as holding anything until this step has written back: a
+        forward that raises leaves no half-updated rows to be reused.
 
-        Why reuse is safe: `write_back` stored the cache's KDA states and new latent rows into the
-        requests' pages (same dtypes), so the cache is what `build_cache` would read back while
+        Why reuse is safe: `write_back` stored the slots' KDA states and new latent rows into the
+        requests' pages (same dtypes), so the rows are what `_fill_slots` would read back while
         nothing else writes those pages. Between steps only the plan does: `zero` / `copy_before`
         fill an admission's pages (must be empty); `copy_after` only copies out to checkpoint pages;
         growth appends pages; shared prefix pages are never written (copy-on-write). The requests
         must be the same: ids in the same order, rows in the same pages (a request re-added under a
-        finished one's id need not be), and `num_computed` at the cache's length (the scheduler
+        finished one's id need not be), and `num_computed` at the rows' lengths (the scheduler
         advances it by exactly the tokens run; a preemption resets it and drops the request)."""
-        resident, self._resident = self._resident, None
-        if resident is None or out.plan.zero or out.plan.copy_before:
-            return None
-        previous, cache = resident.requests, resident.cache
+        previous, self.slots.holds = self.slots.holds, None
+        if previous is None or out.plan.zero or out.plan.copy_before:
+            return False
         requests = out.requests
-        decode_only = all(len(r.token_ids) == 1 for r in requests)
         same_requests = len(requests) == len(previous) and all(
             r.request_id == p.request_id and r.page_table[:len(p.page_table)] == p.page_table
             for r, p in zip(requests, previous))
-        continues = cache.lengths.tolist() == [r.num_computed for r in requests]
-        return resident if decode_only and same_requests and continues else None
+        return (same_requests and all(len(r.token_ids) == 1 for r in requests)
+                and self.slots.host_lengths[:len(requests)].tolist() == [r.num_computed for r in requests])
 
-    def release_resident_cache(self) -> None:
-        self._resident = None
+    def release_held_requests(self) -> None:
+        self.slots.holds = None
 
     def build_cache(self, requests: list[ScheduledRequest]) -> K3Cache:
         layers: list = [None] * self.config.num_hidden_layers
@@ -146,20 +131,20 @@ class ModelRunner:
         if self._mla_layers:
             per_request = [self.read_latents(r.page_table, r.num_computed) for r in requests]
             needed = max(r.num_computed + len(r.token_ids) for r in requests)
-            # room for the decode steps that follow (a graph is captured only with room to spare)
-            capacity = (needed // MLA_CAPACITY_STEP + 1) * MLA_CAPACITY_STEP
             for m, i in enumerate(self._mla_layers):
-                layers[i] = MLAState.from_rows([lat[:, m] for lat in per_request], capacity)
+                layers[i] = MLAState.from_rows([lat[:, m] for lat in per_request], needed)
         lengths = torch.tensor([r.num_computed for r in requests], dtype=torch.long)
         return K3Cache(layers, lengths)
 
     def write_back(self, requests: list[ScheduledRequest], cache: K3Cache) -> None:
-        """Store the step's new KDA states and latent rows in the requests' pages, with a handful of
-        batched copies whatever the number of requests and layers (every step pays for this)."""
+        """Store the step's new KDA states and latent rows in the requests' pages (the cache's first
+        rows; padding rows after them are dropped), with a handful of batched copies whatever the
+        number of requests and layers (every step pays for this)."""
+        n = len(requests)
         if self._kda_layers:
             states = [cache.layers[i] for i in self._kda_layers]
             self.write_snapshots([r.state_pages[j] for j in range(len(states)) for r in requests],
-                                 torch.cat([s.conv for s in states]), torch.cat([s.recurrent for s in states]))
+                                 torch.cat([s.conv[:n] for s in states]), torch.cat([s.recurrent[:n] for s in states]))
         if not self._mla_layers:
             return
         counts = torch.tensor([len(r.token_ids) for r in requests])
@@ -175,28 +160,36 @@ class ModelRunner:
         values = torch.stack([cache.layers[i].buffer[seq, position] for i in self._mla_layers], 1)  # [T, M, W]
         self._latent_pages()[page, row] = values.to(self.layout.dtype)
 
-    def _decode(self, ids: torch.Tensor, resident: ResidentCache) -> torch.Tensor:
-        """One token per request [N] -> logits [N, V]: replayed from the resident cache's graph
-        (captured once the batch has lasted, with room in its MLA buffers), else an eager forward."""
-        cache = resident.cache
-        room = min((s.capacity for s in cache.layers if isinstance(s, MLAState)), default=None)
-        room = None if room is None else room - int(cache.lengths.max())
-        captured = False
-        if room is not None and room < 1:
-            resident.graph = None  # the eager forward reallocates the buffers the graph holds
-        elif (resident.graph is None and self.cuda_graphs and resident.reuses >= CAPTURE_AFTER_REUSES
-              and (room is None or room >= GRAPH_MIN_ROOM)):
-            resident.graph = CUDAGraphDecoder(self.model, cache, warmup_steps=1)
-            captured = True
-        if resident.graph is not None:
-            self.step_counts["decode_graph_capture" if captured else "decode_graph_replay"] += 1
-            return resident.graph.step(ids)
-        self.step_counts["decode_eager_built" if resident.reuses == 0 else "decode_eager_reused"] += 1
-        return self.model(ids.view(-1, 1), cache=cache)[:, 0]
+    def _fill_slots(self, requests: list[ScheduledRequest]) -> None:
+        """Load the requests' KDA states and MLA latents from their pages into the decode slots:
+        one gather for all KDA layers' snapshots, one for all MLA layers' pages."""
+        L, n = self.layout, len(requests)
+        conv = recurrent = latents = None
+        if self._kda_layers:
+            conv, recurrent = self.read_snapshots(
+                [r.state_pages[j] for j in range(len(self._kda_layers)) for r in requests])
+            conv, recurrent = conv.view(-1, n, *self._conv_shape), recurrent.view(-1, n, *self._state_shape)
+        lengths = [r.num_computed for r in requests]
+        if self._mla_layers:
+            pages = L.mla_pages_for(max(lengths))
+            tables = torch.tensor([(r.page_table + [0] * pages)[:pages] for r in requests], dtype=torch.long,
+                                  device=self.device)
+            latents = self._latent_pages()[tables].flatten(1, 2)  # [N, pages * P, M, W]
+        self.slots.fill(lengths, conv, recurrent, latents)
+        self.slot_fills += 1
+
+    def _decode(self, ids: torch.Tensor, requests: list[ScheduledRequest], continuing: bool) -> tuple[torch.Tensor, K3Cache]:
+        """One token per request [N] -> (logits [N, V], the slot cache the step wrote)."""
+        shape = self.slots.shape_for(len(requests), max(r.num_computed for r in requests) + 1)
+        if self.slots.reserve(*shape) or not continuing:  # grown slots hold nothing yet
+            self._fill_slots(requests)
+        logits, kind = self.slots.step(ids, shape)
+        self.step_counts[f"decode_{kind}"] += 1
+        return logits, self.slots.view(*shape)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, SampledToken]:
-        resident = self._take_resident_cache(out)
+        continuing = self._slots_continue(out)
         if not out.requests:
             return {}
         plan = out.plan
@@ -204,23 +197,21 @@ class ModelRunner:
             self.pool[plan.zero] = 0
         self._copy(plan.copy_before)
         requests = out.requests
-        if resident is None:
-            resident = ResidentCache(requests, self.build_cache(requests))
-        else:
-            resident.reuses += 1
-        cache = resident.cache
         ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)
         cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
         chosen = [n for n, r in enumerate(requests) if r.sample]  # chunks that reach their last known token
-        if len(requests) == ids.numel():  # decode only: a uniform [N, 1] batch takes the batched paths
-            rows = self._decode(ids, resident)[chosen]
+        decode = len(requests) == ids.numel()
+        if decode:  # a uniform [N, 1] batch on the slots takes the batched decode paths
+            logits, cache = self._decode(ids, requests, continuing)
+            rows = logits[chosen]
         else:  # logits only at the chosen chunks' last tokens
             self.step_counts["packed"] += 1
+            cache = self.build_cache(requests)
             rows = self.model(ids[None], cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:][chosen] - 1)[0]
         self.write_back(requests, cache)
         self._copy(plan.copy_after)
-        resident.requests = requests
-        self._resident = resident
+        if decode:
+            self.slots.holds = requests
         if not chosen:
             return {}
         rids = [requests[n].request_id for n in chosen]

@@ -41,6 +41,8 @@ class _EngineCollector:
         for kind in STEP_KINDS:
             steps.add_metric([kind], e.runner.step_counts[kind])
         yield steps
+        yield CounterMetricFamily("k3_runner_slot_fills", "Decode steps that refilled the decode slots from pages "
+                                  "(the batch changed)", value=e.runner.slot_fills)
 
 
 class Metrics:
