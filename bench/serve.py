@@ -33,7 +33,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.serve_modes import K3_MODES, agreement_summary, mixed_line  # noqa: E402
+from bench.serve_modes import K3_MODES, agreement_summary, mixed_line, steps_line  # noqa: E402
 from k3.model.checkpoint import load_pretrained  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
@@ -108,6 +108,8 @@ def bench_k3(model, prompts: list[list[int]], new_tokens: list[int], budget: int
     device = next(model.parameters()).device
     counts = engine.runner.step_counts
     seconds: Counter[str] = Counter()
+    slowest: dict[str, float] = {}
+    shape = _record_step_shapes(engine)
     _sync(device)
     t0 = time.perf_counter()
     requests = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -118,12 +120,29 @@ def bench_k3(model, prompts: list[list[int]], new_tokens: list[int], budget: int
         outputs = engine.step()
         _sync(device)
         for kind in counts - before:  # one forward per step
-            seconds[kind] += time.perf_counter() - t
+            took = time.perf_counter() - t
+            seconds[kind] += took
+            slowest[kind] = max(slowest.get(kind, 0.0), took)
+            if took == slowest[kind]:
+                shape[kind] = dict(shape["last"])
         for o in outputs:
             first.setdefault(o.request_id, time.perf_counter() - t0)
     elapsed = time.perf_counter() - t0
-    steps = {kind: {"count": counts[kind], "seconds": seconds[kind]} for kind in counts}
+    steps = {kind: {"count": counts[kind], "seconds": seconds[kind], "slowest_s": slowest[kind], **shape[kind]}
+             for kind in counts}
     return sum(first.values()) / len(first), elapsed, [r.output_token_ids for r in requests], steps
+
+
+def _record_step_shapes(engine: LLMEngine) -> dict[str, dict]:
+    """shape["last"]: the tokens and requests of the runner's latest step (wraps its execute)."""
+    shape: dict[str, dict] = {"last": {}}
+    execute = engine.runner.execute
+
+    def recorded(out, params):
+        shape["last"] = {"tokens": sum(len(r.token_ids) for r in out.requests), "requests": len(out.requests)}
+        return execute(out, params)
+    engine.runner.execute = recorded
+    return shape
 
 
 @torch.inference_mode()
@@ -170,11 +189,12 @@ def _engine_cache_bytes(model, num_seqs: int, tokens: int) -> int:
 
 
 def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_tokens: int, vocab: int,
-        warmup: bool = True, mixed: dict | None = None) -> Iterator[tuple[str, dict]]:
+        warmup: bool = True, mixed: dict | None = None, modes: list[str] | None = None) -> Iterator[tuple[str, dict]]:
     """Both engines on the same prompts; returns throughput, TTFT, greedy agreement and each
     implementation's prefill logits error against HF fp32 on the device, as ("uniform", result);
     then, with `mixed` (the keyword arguments of `mixed_workload` plus `concurrency` and `budget`),
-    ("mixed", result). Yielded as each is done, so a caller out of time keeps the first."""
+    ("mixed", result). Yielded as each is done, so a caller out of time keeps the first. `modes`: the
+    engine configurations to run (K3_MODES keys; default all that the device runs)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf = kimi_linear(vocab, size)
     g = torch.Generator().manual_seed(0)
@@ -195,7 +215,9 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
     budget = prompts * prompt_len
     # the compiled mode runs on its own copy (EngineConfig.compile compiles the model in place); its
     # compilation happens in the warm-up round, and the measured round's engine reuses it
-    modes = K3_MODES if device.type == "cuda" else {"eager": K3_MODES["eager"]}
+    modes = {m: K3_MODES[m] for m in modes or K3_MODES if device.type == "cuda" or not K3_MODES[m][1]}
+    if not modes:
+        raise ValueError(f"no engine mode of {list(K3_MODES)} runs on {device}")
     models = {mode: copy.deepcopy(ours) if compile else ours for mode, (_, _, compile) in modes.items()}
     for _ in range(1 + warmup):  # the last round is the measured one
         hf_ttft, hf_time, hf_out = bench_hf(hf, ids.to(device), new_tokens)
@@ -211,31 +233,56 @@ def run(size: str, device: torch.device, prompts: int, prompt_len: int, new_toke
         result[f"k3_{mode}_ttft_s"] = ttft
         result[f"k3_{mode}_throughput_ratio"] = hf_time / elapsed
         result[f"k3_{mode}_agreement_with_hf"] = agreement(hf_out, out)
-    for mode in k3.keys() - {"eager"}:
+    for mode in k3.keys() - {"eager"} if "eager" in k3 else ():
         result[f"{mode}_agreement_with_eager"] = agreement(k3["eager"][2], k3[mode][2])
     yield "uniform", result
     if mixed is not None:
-        yield "mixed", run_mixed(hf, ours, mixed, vocab)
+        yield "mixed", run_mixed(hf, ours, {k: v for k, v in mixed.items() if k != "profile"}, vocab, warmup,
+                                 mixed.get("profile", False))
 
 
-def run_mixed(hf, ours, workload: dict, vocab: int) -> dict:
-    """The mixed workload, once (after the uniform rounds, so kernels are compiled): HF in static
-    batches of `concurrency`, the k3 engine (its default mode on the device) with at most that many
-    requests running. Throughput counts only the tokens each request asked for."""
+def run_mixed(hf, ours, workload: dict, vocab: int, warmup: bool = True, profile: bool = False) -> dict:
+    """The mixed workload: HF in static batches of `concurrency`, the k3 engine (its default mode on
+    the device) with at most that many requests running; with `warmup`, each runs it once untimed
+    first (its shapes are new: kernels specialize and autotune on them). Throughput counts only the
+    tokens each request asked for. `profile`: then the engine once more under torch.profiler, and
+    its tables (where host and device time go)."""
     prompts, wants = mixed_workload(workload["requests"], workload["prompt_lens"], workload["new_tokens"], vocab)
     concurrency, budget = workload["concurrency"], workload["budget"]
     mode = "graphs" if next(ours.parameters()).is_cuda else "eager"
     _, graphs, _ = K3_MODES[mode]
-    hf_time, hf_out, hf_rows = bench_hf_batches(hf, prompts, wants, concurrency)
-    print(f"mixed workload: HF static batches took {hf_time:.1f} s", flush=True)
-    ttft, k3_time, k3_out, steps = bench_k3(ours, prompts, wants, budget, concurrency, graphs)
-    print(f"mixed workload: k3 engine ({mode}) took {k3_time:.1f} s", flush=True)
+    for label in ("warm-up", "measured")[not warmup:]:
+        hf_time, hf_out, hf_rows = bench_hf_batches(hf, prompts, wants, concurrency)
+        print(f"mixed workload, {label}: HF static batches took {hf_time:.1f} s", flush=True)
+        ttft, k3_time, k3_out, steps = bench_k3(ours, prompts, wants, budget, concurrency, graphs)
+        print(f"mixed workload, {label}: k3 engine ({mode}) took {k3_time:.1f} s; {steps_line(steps)}", flush=True)
+    if profile:
+        profile_engine(ours, prompts, wants, budget, concurrency, graphs)
     n = sum(wants)
     return {**workload, "mode": mode, "output_tokens": n, "hf_tokens_per_s": n / hf_time,
             "hf_useful_fraction": n / hf_rows,
             f"k3_{mode}_tokens_per_s": n / k3_time, f"k3_{mode}_ttft_s": ttft,
             f"k3_{mode}_throughput_ratio": hf_time / k3_time, f"k3_{mode}_agreement_with_hf": agreement(hf_out, k3_out),
             f"k3_{mode}_steps": steps}
+
+
+def profile_engine(model, prompts: list[list[int]], new_tokens: list[int], budget: int, max_num_seqs: int,
+                   cuda_graphs: bool) -> None:
+    """One more engine run under torch.profiler: the host ops that take the most time, then (on
+    CUDA) the kernels and the aten ops whose kernels take the most."""
+    from bench.kernel_profile import print_kernel_tables, print_op_table
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    cuda = next(model.parameters()).is_cuda
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        _, _, _, steps = bench_k3(model, prompts, new_tokens, budget, max_num_seqs, cuda_graphs)
+    forwards = sum(s["count"] for s in steps.values())
+    print(f"\n### profiled engine run: {steps_line(steps)}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    if cuda:
+        print_kernel_tables(prof, forwards, "engine forwards, per forward")
+        print_op_table(prof, forwards)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -250,6 +297,13 @@ def logits_error(reference: torch.Tensor, model, ids: torch.Tensor, logits_of) -
     a near-tie: the error, not the agreement, tells whether two implementations agree."""
     out = logits_of(model(ids)).float().cpu()
     return rel_err(reference, out), (reference[:, -1].argmax(-1) == out[:, -1].argmax(-1)).float().mean().item()
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or set(modes) - K3_MODES.keys():
+        raise argparse.ArgumentTypeError(f"want a comma list of {', '.join(K3_MODES)}, got {text!r}")
+    return modes
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -272,6 +326,11 @@ def main() -> None:
                     help="also run N requests of mixed lengths, at most --prompts at a time (HF: static batches)")
     ap.add_argument("--mixed-prompt-lens", type=_range, default=(32, 512), metavar="LO,HI")
     ap.add_argument("--mixed-new-tokens", type=_range, default=(8, 128), metavar="LO,HI")
+    ap.add_argument("--modes", type=_modes, default=None,
+                    help=f"engine configurations to run, comma-separated, of {','.join(K3_MODES)} (default: all "
+                    "that the device runs; the mixed workload uses graphs on CUDA, eager elsewhere)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the mixed workload, run its engine once more under torch.profiler and print where time goes")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--record", type=Path, default=None, help="append the result to this markdown file")
     args = ap.parse_args()
@@ -280,9 +339,9 @@ def main() -> None:
     device = torch.device(args.device)
     mixed = None if not args.mixed else dict(
         requests=args.mixed, prompt_lens=args.mixed_prompt_lens, new_tokens=args.mixed_new_tokens,
-        concurrency=args.prompts, budget=args.prompts * args.prompt_len)
+        concurrency=args.prompts, budget=args.prompts * args.prompt_len, profile=args.profile)
     results = dict(run(args.size, device, args.prompts, args.prompt_len, args.new_tokens, args.vocab,
-                       not args.no_warmup, mixed))
+                       not args.no_warmup, mixed, args.modes))
     r = results["uniform"]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")

@@ -33,4 +33,6 @@ def steps_line(steps: dict[str, dict]) -> str:
     """The runner's forwards by kind (k3.serve.runner.STEP_KINDS): how many, and the seconds their
     steps took; the costliest kind first."""
     return ", ".join(f"{s['count']} {kind} in {s['seconds']:.1f} s"
+                     + (f" (slowest {s['slowest_s']:.2f} s: {s['tokens']} tokens of {s['requests']} requests)"
+                        if "slowest_s" in s else "")
                      for kind, s in sorted(steps.items(), key=lambda kv: -kv[1]["seconds"])) or "not recorded"
