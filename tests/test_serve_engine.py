@@ -126,14 +126,25 @@ def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, 
         return dataclasses.replace(GREEDY, max_tokens=n)
 
     # the prefill stops one token short (a KDA checkpoint at prompt_len - 1): token k comes at step k + 1
+    # KDA state pages written per step (the runner's one writer of state pages)
+    written: list[list[int]] = []
+    write_snapshots = engine.runner.write_snapshots
+
+    def recorded_write(pages, conv, recurrent):
+        written[-1].extend(p for ps in pages for p in ps)
+        return write_snapshots(pages, conv, recurrent)
+    engine.runner.write_snapshots = recorded_write
+
     stays = engine.add_request(prompts[0], greedy(8))
     finishes = engine.add_request(prompts[1], greedy(3))  # at step 4
     cancelled = engine.add_request(prompts[3], greedy(8))  # after step 6
     while engine.has_unfinished:
+        written.append([])
         engine.step()
         if len(steps) == 4:  # takes the finished one's place: a prefix hit, one token to compute
             joins = engine.add_request(prompts[1], greedy(5))
         if len(steps) == 6:
+            cancelled_pages = {p for ps in engine.scheduler.cache.state_pages(cancelled.request_id) for p in ps}
             engine.abort(cancelled.request_id)
         assert all(ref() is None for ref in built)  # a packed step's cache is freed with the step
     assert engine.runner.slots.holds is None  # idle: the slots hold no finished request
@@ -141,6 +152,10 @@ def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, 
     # the slots are filled after the prefill (step 2), for the batch with one left and one joined
     # (step 5) and after the cancellation (step 7); the other decode steps continue on them
     assert steps == ["packed", "fill", "continue", "continue", "fill", "continue", "fill", "continue", "continue"]
+    # decode steps leave the KDA states in the slots: they reach pages after the prefill and when the
+    # slots are refilled, for the requests still there (not the cancelled one, whose pages are free)
+    assert [bool(w) for w in written] == [True, False, False, False, True, False, True, False, False]
+    assert not cancelled_pages & set(written[6])
     for request, prompt, n in [(stays, 0, 8), (finishes, 1, 3), (joins, 1, 5)]:
         assert request.output_token_ids == generate(model, [prompts[prompt]], n)[0]
     assert cancelled.output_token_ids == generate(model, [prompts[3]], 8)[0][:5]

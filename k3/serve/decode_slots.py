@@ -65,10 +65,13 @@ class DecodeSlots:
             return num_seqs, blocks * MLA_CAPACITY_STEP
         return _power_of_two(num_seqs), _power_of_two(blocks) * MLA_CAPACITY_STEP
 
+    def must_grow(self, rows: int, columns: int) -> bool:
+        return rows > self.rows or (columns > self.columns and bool(self.mla_layers))
+
     def reserve(self, rows: int, columns: int) -> bool:
         """Make the storage hold (rows, columns); growing it (geometrically, so it happens rarely)
         drops what it held and every graph, which read the old tensors. Returns whether it grew."""
-        if rows <= self.rows and (columns <= self.columns or not self.mla_layers):
+        if not self.must_grow(rows, columns):
             return False
         self.graphs.clear()
         self.holds = None

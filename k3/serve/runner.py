@@ -16,6 +16,14 @@ Two kinds of forward:
   (thousands of small kernel launches), a replay is one launch, and a batch change no longer
   costs the graph.
 
+A decode step writes its new latent rows to pages (a prefix-cache hit may read them as soon as a
+block fills) but leaves the KDA states in the slots: a request's whole state per KDA layer, every
+step, would be the step's largest copy (K3: 96 heads x 128 x 128 fp32, ~6 MB per layer and
+request). The states go to pages (`_flush_states`) before anything reads them there: a step that
+does not continue the slots (a refill, a packed step), slots that grow, a KDA checkpoint copy.
+Requests freed meanwhile are skipped (`SchedulerOutput.released`): their pages may be someone
+else's by then.
+
 Legend: N scheduled requests, T packed new tokens, P tokens per page, M MLA layers, Lk KDA layers,
 W = kv_lora_rank + qk_rope_head_dim, H/K/V KDA heads / key dim / value dim, 3C conv channels.
 """
@@ -57,6 +65,8 @@ class ModelRunner:
         # (a batch change): how often batches change and graphs pay off
         self.step_counts: Counter[str] = Counter()
         self.slot_fills = 0
+        # the requests whose KDA states in slot rows 0.. are newer than their pages, in row order
+        self._states_behind: list[ScheduledRequest] = []
         # graphs need CUDA and routed experts that never read counts on the host (grouped_mm)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and capturable_experts(model)
         self.slots = DecodeSlots(model, self.cuda_graphs)
@@ -99,13 +109,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def _slots_continue(self, out: SchedulerOutput) -> bool:
         """Whether the decode slots hold exactly this decode step's requests, as it needs them.
-        Either way they stop counting as holding anything until this step has written back: a
-        forward that raises leaves no half-updated rows to be reused.
+        Either way they stop counting as holding anything until this step's forward has run: one
+        that raises leaves no half-updated rows to be reused (nor flushed: the engine fails every
+        request of the step, and a continuing step's requests are all the slots hold).
 
-        Why reuse is safe: `write_back` stored the slots' KDA states and new latent rows into the
-        requests' pages (same dtypes), so the rows are what `_fill_slots` would read back while
-        nothing else writes those pages. Between steps only the plan does: `zero` / `copy_before`
-        fill an admission's pages (must be empty); `copy_after` only copies out to checkpoint pages;
+        Why reuse is safe: the rows are what `_fill_slots` would read back from the requests' pages
+        once `_flush_states` has written the KDA states there (`write_latents` stores every new
+        latent row at once), while nothing else writes those pages. Between steps only the plan
+        does: `zero` / `copy_before` fill an admission's pages (must be empty); `copy_after` only copies out to checkpoint pages;
         growth appends pages; shared prefix pages are never written (copy-on-write). The requests
         must be the same: ids in the same order, rows in the same pages (a request re-added under a
         finished one's id need not be), and `num_computed` at the rows' lengths (the scheduler
@@ -121,7 +132,18 @@ class ModelRunner:
                 and self.slots.host_lengths[:len(requests)].tolist() == [r.num_computed for r in requests])
 
     def release_held_requests(self) -> None:
+        """Forget what the slots hold (the engine is idle: every request they held has finished)."""
         self.slots.holds = None
+        self._states_behind = []
+
+    def _flush_states(self, released: set[str]) -> None:
+        """Write the KDA states that only the slots hold to pages, for requests not freed since."""
+        behind, self._states_behind = self._states_behind, []
+        alive = [(row, r) for row, r in enumerate(behind) if r.request_id not in released]
+        if not alive:
+            return
+        rows = [row for row, _ in alive]
+        self.write_states([r for _, r in alive], self.slots.conv[:, rows], self.slots.recurrent[:, rows])
 
     def build_cache(self, requests: list[ScheduledRequest]) -> K3Cache:
         layers: list = [None] * self.config.num_hidden_layers
@@ -136,15 +158,16 @@ class ModelRunner:
         lengths = torch.tensor([r.num_computed for r in requests], dtype=torch.long)
         return K3Cache(layers, lengths)
 
-    def write_back(self, requests: list[ScheduledRequest], cache: K3Cache) -> None:
-        """Store the step's new KDA states and latent rows in the requests' pages (the cache's first
-        rows; padding rows after them are dropped), with a handful of batched copies whatever the
-        number of requests and layers (every step pays for this)."""
-        n = len(requests)
+    def write_states(self, requests: list[ScheduledRequest], conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Store the requests' KDA states (conv [Lk, N, 3C, W-1], recurrent [Lk, N, H, K, V], rows in
+        the requests' order) in their state pages, with a handful of batched copies."""
         if self._kda_layers:
-            states = [cache.layers[i] for i in self._kda_layers]
-            self.write_snapshots([r.state_pages[j] for j in range(len(states)) for r in requests],
-                                 torch.cat([s.conv[:n] for s in states]), torch.cat([s.recurrent[:n] for s in states]))
+            self.write_snapshots([r.state_pages[j] for j in range(len(self._kda_layers)) for r in requests],
+                                 conv.flatten(0, 1), recurrent.flatten(0, 1))
+
+    def write_latents(self, requests: list[ScheduledRequest], cache: K3Cache) -> None:
+        """Store the step's new latent rows (from the cache's first rows; padding rows after them are
+        dropped) in the requests' MLA pages, with a handful of batched copies."""
         if not self._mla_layers:
             return
         counts = torch.tensor([len(r.token_ids) for r in requests])
@@ -181,7 +204,11 @@ class ModelRunner:
     def _decode(self, ids: torch.Tensor, requests: list[ScheduledRequest], continuing: bool) -> tuple[torch.Tensor, K3Cache]:
         """One token per request [N] -> (logits [N, V], the slot cache the step wrote)."""
         shape = self.slots.shape_for(len(requests), max(r.num_computed for r in requests) + 1)
-        if self.slots.reserve(*shape) or not continuing:  # grown slots hold nothing yet
+        if continuing and self.slots.must_grow(*shape):
+            self._flush_states(released=set())  # the rows are lost with the old storage
+            continuing = False
+        if not continuing:
+            self.slots.reserve(*shape)
             self._fill_slots(requests)
         logits, kind = self.slots.step(ids, shape)
         self.step_counts[f"decode_{kind}"] += 1
@@ -190,6 +217,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, SampledToken]:
         continuing = self._slots_continue(out)
+        if not continuing:
+            self._flush_states(out.released)
         if not out.requests:
             return {}
         plan = out.plan
@@ -204,11 +233,18 @@ class ModelRunner:
         if decode:  # a uniform [N, 1] batch on the slots takes the batched decode paths
             logits, cache = self._decode(ids, requests, continuing)
             rows = logits[chosen]
+            self._states_behind = requests
+            if plan.copy_after:  # a checkpoint copies state pages: they must be current
+                self._flush_states(released=set())
         else:  # logits only at the chosen chunks' last tokens
             self.step_counts["packed"] += 1
             cache = self.build_cache(requests)
             rows = self.model(ids[None], cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:][chosen] - 1)[0]
-        self.write_back(requests, cache)
+            states = [cache.layers[i] for i in self._kda_layers]
+            if states:
+                self.write_states(requests, torch.stack([s.conv for s in states]),
+                                  torch.stack([s.recurrent for s in states]))
+        self.write_latents(requests, cache)
         self._copy(plan.copy_after)
         if decode:
             self.slots.holds = requests

@@ -37,6 +37,9 @@ class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     plan: PagePlan = field(default_factory=PagePlan)
     preempted: list[str] = field(default_factory=list)
+    # requests whose pages were freed since the previous output (finished, aborted, preempted): the
+    # runner must not write their state back, their pages may belong to others now
+    released: set[str] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._released: set[str] = set()  # SchedulerOutput.released of the next output
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -84,6 +88,7 @@ class Scheduler:
             self.running.remove(request)
         request.status = status
         self.cache.free(request)
+        self._released.add(request_id)
         return request
 
     @property
@@ -107,6 +112,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.cache.free(request)
+        self._released.add(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.checkpoints = []
@@ -146,6 +152,7 @@ class Scheduler:
             self.running.append(request)
             self._scheduled(request, n, out)
             budget -= n
+        out.released, self._released = self._released, set()
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
