@@ -11,13 +11,11 @@ import copy
 import dataclasses
 import logging
 import weakref
-from collections import Counter
 
 import pytest
 import torch
 
 from k3.config import load_config
-from k3.model import cache as cache_module
 from k3.model.cache import KDAState, MLAState
 from k3.model.decode_graph import _restore, _snapshot
 from k3.model.generate import generate
