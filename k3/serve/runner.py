@@ -116,11 +116,12 @@ class ModelRunner:
         Why reuse is safe: the rows are what `_fill_slots` would read back from the requests' pages
         once `_flush_states` has written the KDA states there (`write_latents` stores every new
         latent row at once), while nothing else writes those pages. Between steps only the plan
-        does: `zero` / `copy_before` fill an admission's pages (must be empty); `copy_after` only copies out to checkpoint pages;
-        growth appends pages; shared prefix pages are never written (copy-on-write). The requests
-        must be the same: ids in the same order, rows in the same pages (a request re-added under a
-        finished one's id need not be), and `num_computed` at the rows' lengths (the scheduler
-        advances it by exactly the tokens run; a preemption resets it and drops the request)."""
+        does: `zero` / `copy_before` fill an admission's pages (must be empty); `copy_after` only
+        copies out to checkpoint pages; growth appends pages; shared prefix pages are never written
+        (copy-on-write). The requests must be the same: ids in the same order, rows in the same
+        pages (a request re-added under a finished one's id need not be), and `num_computed` at the
+        rows' lengths (the scheduler advances it by exactly the tokens run; a preemption resets it
+        and drops the request)."""
         previous, self.slots.holds = self.slots.holds, None
         if previous is None or out.plan.zero or out.plan.copy_before:
             return False
@@ -201,7 +202,8 @@ class ModelRunner:
         self.slots.fill(lengths, conv, recurrent, latents)
         self.slot_fills += 1
 
-    def _decode(self, ids: torch.Tensor, requests: list[ScheduledRequest], continuing: bool) -> tuple[torch.Tensor, K3Cache]:
+    def _decode(self, ids: torch.Tensor, requests: list[ScheduledRequest],
+                continuing: bool) -> tuple[torch.Tensor, K3Cache]:
         """One token per request [N] -> (logits [N, V], the slot cache the step wrote)."""
         shape = self.slots.shape_for(len(requests), max(r.num_computed for r in requests) + 1)
         if continuing and self.slots.must_grow(*shape):
