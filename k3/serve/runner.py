@@ -57,8 +57,6 @@ class ModelRunner:
         self.pool = torch.empty(num_pages, layout.page_bytes, dtype=torch.uint8, device=self.device)
         self.sampler = Sampler(seed)
         L = layout
-        self._kda_layers = [i for i in range(self.config.num_hidden_layers) if not self.config.is_mla_layer(i)]
-        self._mla_layers = [i for i in range(self.config.num_hidden_layers) if self.config.is_mla_layer(i)]
         self._state_shape = (L.kda_heads, L.kda_head_dim, L.kda_head_dim)
         self._conv_shape = (L.conv_channels, L.conv_tail)
         # forwards by how they ran (STEP_KINDS), and decode steps that refilled the slots from pages
@@ -70,6 +68,7 @@ class ModelRunner:
         # graphs need CUDA and routed experts that never read counts on the host (grouped_mm)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and capturable_experts(model)
         self.slots = DecodeSlots(model, self.cuda_graphs)
+        self._kda_layers, self._mla_layers = self.slots.kda_layers, self.slots.mla_layers
 
     # ------------------------------------------------------------------ page views
     def _latent_pages(self) -> torch.Tensor:
