@@ -110,7 +110,7 @@ def test_fla_layer_matches_chunk_layer_with_state(dtype):
 
 def test_fla_prefix_invariance():
     """fla issue #1240: with its in-kernel safe gate, prefix outputs could depend on later gates.
-    Our fla path passes activated gates (no in-kernel gate); this guards that choice."""
+    The layer's fla path activates K3's bounded gate in-kernel with safe_gate: the prefix must not move."""
     layer: KimiDeltaAttention = make_layer("lb", kda_impl="fla").cuda()
     i, T = 37, 150
     x = torch.randn(1, T, layer.config.hidden_size, device="cuda")

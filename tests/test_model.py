@@ -126,6 +126,41 @@ def test_mla_absorbed_equals_naive_with_cache():
     assert_rel_close("absorbed = naive", outs["naive"], outs["absorb"], 1e-5)
 
 
+@pytest.mark.parametrize("impl", ["naive", "absorb"])
+def test_mla_packed_step_with_decode_rows_equals_each_alone(impl):
+    """A serving step's packed row: one-token documents (batched together) beside longer ones and an
+    empty one, each continuing its own cached past of a different length. Outputs and the cached
+    latents equal each document continued alone, with and without autograd."""
+    cfg = small_config(mla_impl=impl)
+    layer = GatedMLA(cfg, 3)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    past, new = [4, 0, 9, 2, 6], [1, 5, 1, 0, 3]
+    xs = [torch.randn(1, n, cfg.hidden_size) for n in past]
+    steps = [torch.randn(1, n, cfg.hidden_size) for n in new]
+    alone = []
+    for x, step in zip(xs, steps):
+        state = MLAState.empty(cfg, 1, capacity=16)
+        if x.shape[1]:
+            layer(x, state=state)
+        alone.append((layer(step, state=state) if step.shape[1] else step.new_zeros(1, 0, cfg.hidden_size),
+                      state.rows(0)))
+    for grad in (False, True):
+        state = MLAState.empty(cfg, len(past), capacity=16)
+        cu = torch.tensor([0, *past]).cumsum(0)
+        with torch.no_grad():
+            layer(torch.cat(xs, dim=1), cu_seqlens=cu, state=state)
+        with torch.set_grad_enabled(grad):
+            out = layer(torch.cat(steps, dim=1), cu_seqlens=torch.tensor([0, *new]).cumsum(0), state=state)
+        starts = torch.tensor([0, *new]).cumsum(0).tolist()
+        for n, (o, rows) in enumerate(alone):
+            got = out[0, starts[n]:starts[n + 1]]
+            if new[n]:
+                assert_rel_close(f"doc {n} outputs (grad={grad})", o[0], got, 1e-5)
+            assert got.shape == o[0].shape
+            assert_rel_close(f"doc {n} latents (grad={grad})", rows, state.rows(n), 1e-6)
+
+
 def test_attnres_is_uniform_average_at_init(monkeypatch):
     import k3.model.transformer as tr
 

@@ -12,9 +12,12 @@ Two attention paths over the same weights (config.mla_impl):
 - "absorb" (DeepSeek-V3 `attn_impl="absorb"`): fold kv_b's key half into the query and its value
   half into the output, so attention runs against the cached latents directly; cheaper at decode.
 With a cache (k3/model/cache.py MLAState), a uniform batch [B, T] continues its B sequences in one
-batched attention over the padded latent buffer; a packed row attends document by document.
+batched attention over the padded latent buffer; in a packed row the one-token documents attend
+as one batch and each longer document alone.
 """
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import MLAState
 from k3.model.norm import RMSNorm
+from k3.ops.varlen import seq_lengths
 
 # The official code gives the two latent norms eps 1e-6, unlike every other norm (SPEC §3).
 MLA_LATENT_NORM_EPS = 1e-6
@@ -144,15 +148,26 @@ class GatedMLA(nn.Module):
         return self.attend(q, buffer.to(lat.dtype), mask[:, None])
 
     def _extend_packed(self, q, lat, buffer, lengths, cu_seqlens):
-        """One packed row of N documents: every write first, then each document's attention over its
-        own rows (reading the lengths back to the host, as packed prefill does anyway)."""
-        past = lengths.tolist()
-        bounds = _bounds(cu_seqlens)
-        for n, (start, end) in enumerate(bounds):
-            buffer[n, past[n]:past[n] + end - start] = lat[0, start:end].to(buffer.dtype)
+        """One packed row of N documents: every latent written by one indexed store, then the
+        one-token documents (a serving step's decode rows) attended as one [n, 1] batch over their
+        own buffer rows, and each longer document alone. The lengths are read back to the host
+        once, as packed prefill does anyway; a loop over every document would cost a dozen kernel
+        launches per decode row in every MLA layer of a serving step."""
+        past, new = lengths.tolist(), seq_lengths(cu_seqlens)
+        rows = torch.tensor([n for n, count in enumerate(new) for _ in range(count)], device=q.device)
+        pos = torch.tensor([past[n] + i for n, count in enumerate(new) for i in range(count)], device=q.device)
+        buffer[rows, pos] = lat[0].to(buffer.dtype)
         o = q.new_empty(*q.shape[:2], self.num_heads * self.v_dim)
-        for n, (start, end) in enumerate(bounds):
-            S = past[n] + end - start
+        single = [n for n, count in enumerate(new) if count == 1]
+        starts = [0, *accumulate(new)]
+        if single:
+            S = max(past[n] for n in single) + 1
+            at = torch.tensor([starts[n] for n in single], device=q.device)
+            last = torch.tensor([past[n] for n in single], device=q.device)
+            mask = torch.arange(S, device=q.device) <= last[:, None, None, None]  # [n, 1, 1, S]
+            o[0, at] = self.attend(q[0, at, None], buffer[single, :S].to(lat.dtype), mask)[:, 0]
+        for n in (n for n, count in enumerate(new) if count > 1):
+            start, end, S = starts[n], starts[n + 1], past[n] + new[n]
             mask = torch.arange(S, device=q.device) <= torch.arange(past[n], S, device=q.device)[:, None]  # [T, S]
             o[:, start:end] = self.attend(q[:, start:end], buffer[n:n + 1, :S].to(lat.dtype), mask)
         lengths += cu_seqlens.diff().to(lengths)
