@@ -209,6 +209,23 @@ def kda_vs_reference(c: Checker, dtype: torch.dtype, form: str, lengths: list[in
     c.compare(f"{name} final state", s_ref, s, bound)
     for grad_name, r, out in zip(GRAD_NAMES, g_ref, g_out):
         c.compare(f"{name} {grad_name}", r, out, bound)
+    gate_parameter_reductions(c, name, fast_leaves[3], fast_leaves[7], gate.lower_bound, g_out)
+
+
+def gate_parameter_reductions(c: Checker, name: str, raw: torch.Tensor, dt_bias: torch.Tensor,
+                              lower_bound: float | None, grads) -> None:
+    """A_log and dt_bias act on every token's gate, so their gradients are sums over tokens of the
+    raw-gate gradient the path returned, times a known factor (z = raw + dt_bias; softplus gate:
+    dA_log = sum draw * softplus(z) / sigmoid(z); bounded gate: dA_log = sum draw * z; both:
+    ddt_bias = sum draw). Recomputed here in fp64 from the path's own draw gate, they show whether
+    the path adds error when it reduces, apart from the error it already has per token: the check
+    against the reference above also carries how much the sum amplifies that per-token error."""
+    H, K = raw.shape[-2:]
+    z = raw.detach().double() + dt_bias.detach().double().view(H, K)
+    draw = grads[3].detach().double()
+    factor = z if lower_bound is not None else torch.nn.functional.softplus(z) / torch.sigmoid(z)
+    c.compare(f"{name} dA_log = fp64 sum of its own draw gate", (draw * factor).sum((0, 1, 3)), grads[6], FP32)
+    c.compare(f"{name} ddt_bias = fp64 sum of its own draw gate", draw.sum((0, 1)).flatten(), grads[7], FP32)
 
 
 def _prefix_inputs(c: Checker, T: int, i: int, dtype: torch.dtype):

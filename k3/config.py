@@ -35,6 +35,7 @@ _ABSENT_MEANS_DEFAULT = {
 }
 # Our own runtime choices (not in the official schema); written under these names only.
 _K3_RUNTIME_KEYS = ("mla_impl", "kda_impl", "kda_chunk_size")
+MLA_IMPLS = ("auto", "naive", "absorb")
 
 
 class ConfigError(ValueError):
@@ -96,7 +97,9 @@ class K3Config:
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
     # --- our runtime choices (SPEC-style modes as config fields, not magic switches)
-    mla_impl: str = "naive"  # "naive" | "absorb" (absorbed attention over the latent cache)
+    # "naive" | "absorb" (absorbed attention over the latent cache) | "auto": absorbed for one-token
+    # queries (decode), naive otherwise (k3/model/mla.py)
+    mla_impl: str = "auto"
     kda_impl: str = "auto"  # "auto" | "chunk" | "recurrent" | "fla"
     kda_chunk_size: int = 64
     # --- verbatim carry-over for lossless writes
@@ -181,7 +184,7 @@ class K3Config:
         need(self.first_k_dense_replace >= 0, "first_k_dense_replace", "must be >= 0")
         need(self.moe_layer_freq >= 1, "moe_layer_freq", "must be >= 1")
         need(self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank", "must be >= 1 or null")
-        need(self.mla_impl in ("naive", "absorb"), "mla_impl", f"must be 'naive' or 'absorb', got {self.mla_impl!r}")
+        need(self.mla_impl in MLA_IMPLS, "mla_impl", f"must be one of {MLA_IMPLS}, got {self.mla_impl!r}")
         need(self.kda_impl in ("auto", "chunk", "recurrent", "fla"), "kda_impl",
              f"must be one of auto/chunk/recurrent/fla, got {self.kda_impl!r}")
         need(self.kda_chunk_size in (16, 32, 64), "kda_chunk_size", f"must be 16, 32 or 64, got {self.kda_chunk_size}")

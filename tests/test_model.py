@@ -126,6 +126,24 @@ def test_mla_absorbed_equals_naive_with_cache():
     assert_rel_close("absorbed = naive", outs["naive"], outs["absorb"], 1e-5)
 
 
+def test_mla_auto_absorbs_decode_and_expands_prefill(monkeypatch):
+    """mla_impl "auto" (the default): one-token queries (decode, and a packed step's decode rows)
+    attend absorbed over the latents; longer ones expand them (naive)."""
+    cfg = small_config()
+    assert cfg.mla_impl == "auto"
+    layer = GatedMLA(cfg, 3)
+    calls = []
+    for form in ("naive", "absorbed"):
+        real = getattr(layer, f"_attend_{form}")
+        monkeypatch.setattr(layer, f"_attend_{form}", lambda q, lat, mask, real=real, form=form:
+                            calls.append((form, q.shape[1])) or real(q, lat, mask))
+    state = MLAState.empty(cfg, 2, capacity=16)
+    layer(torch.randn(2, 5, cfg.hidden_size), state=state)  # prefill
+    layer(torch.randn(2, 1, cfg.hidden_size), state=state)  # decode
+    layer(torch.randn(1, 4, cfg.hidden_size), cu_seqlens=torch.tensor([0, 1, 4]), state=state)  # packed
+    assert calls == [("naive", 5), ("absorbed", 1), ("absorbed", 1), ("naive", 3)]
+
+
 @pytest.mark.parametrize("impl", ["naive", "absorb"])
 def test_mla_packed_step_with_decode_rows_equals_each_alone(impl):
     """A serving step's packed row: one-token documents (batched together) beside longer ones and an

@@ -11,6 +11,10 @@ Two attention paths over the same weights (config.mla_impl):
 - "naive": expand the latent into per-head keys/values with kv_b_proj, then SDPA.
 - "absorb" (DeepSeek-V3 `attn_impl="absorb"`): fold kv_b's key half into the query and its value
   half into the output, so attention runs against the cached latents directly; cheaper at decode.
+- "auto" (the default): absorbed for one-token queries, naive otherwise, as DeepSeek-V3 and vLLM's
+  MLA backends split decode from prefill. A decode step's cost is then one read of each cached
+  latent, not kv_b_proj over the whole cache; a prefill's attention runs in the smaller per-head
+  dims (N+R, V instead of L+R, L) on the flash backend.
 With a cache (k3/model/cache.py MLAState), a uniform batch [B, T] continues its B sequences in one
 batched attention over the padded latent buffer; in a packed row the one-token documents attend
 as one batch and each longer document alone.
@@ -74,7 +78,8 @@ class GatedMLA(nn.Module):
     def attend(self, q: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, T, H, N+R] against the latents lat [B, S, L+R] -> [B, T, H*V]. mask: bool,
         broadcastable to [B, 1, T, S] (True = may attend); None = causal with S == T."""
-        if self.config.mla_impl == "absorb":
+        impl = self.config.mla_impl
+        if impl == "absorb" or (impl == "auto" and q.shape[1] == 1):
             o = self._attend_absorbed(q, lat, mask)
         else:
             o = self._attend_naive(q, lat, mask)
