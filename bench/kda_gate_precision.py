@@ -65,7 +65,8 @@ def main() -> None:
         raise SystemExit("needs CUDA and fla-core with triton")
     rows = [(form, seed, path, errs) for form in ("softplus", "lb") for seed in range(args.seeds)
             for path, errs in measure(form, seed).items()]
-    print(f"{'gate':9} {'seed':>4} {'path':20} {'o':>9} {'draw gate':>9} {'dA_log':>9} {'ddt_bias':>9} {'dA_log/draw':>11}")
+    print(f"{'gate':9} {'seed':>4} {'path':20} {'o':>9} {'draw gate':>9} {'dA_log':>9} {'ddt_bias':>9} "
+          f"{'dA_log/draw':>11}")
     for form, seed, path, (o, draw, d_a, d_bias) in rows:
         print(f"{form:9} {seed:>4} {path:20} {o:9.2e} {draw:9.2e} {d_a:9.2e} {d_bias:9.2e} {d_a / draw:11.2f}")
 

@@ -159,8 +159,10 @@ class GatedMLA(nn.Module):
         once, as packed prefill does anyway; a loop over every document would cost a dozen kernel
         launches per decode row in every MLA layer of a serving step."""
         past, new = lengths.tolist(), seq_lengths(cu_seqlens)
-        rows = torch.tensor([n for n, count in enumerate(new) for _ in range(count)], device=q.device)
-        pos = torch.tensor([past[n] + i for n, count in enumerate(new) for i in range(count)], device=q.device)
+        T = q.shape[1]
+        rows = torch.repeat_interleave(torch.arange(len(new), device=q.device), cu_seqlens.diff(), output_size=T)
+        # each token's row in its document's cache: the document's past plus its offset in the chunk
+        pos = lengths[rows] + torch.arange(T, device=q.device) - cu_seqlens[rows]
         buffer[rows, pos] = lat[0].to(buffer.dtype)
         o = q.new_empty(*q.shape[:2], self.num_heads * self.v_dim)
         single = [n for n, count in enumerate(new) if count == 1]
