@@ -1,6 +1,8 @@
 """CUDA-graph decode (k3/model/decode_graph.py): what it refuses, with a message that says why;
 on CUDA, the serving engine's graph replay against its eager steps. The model-level numerics are
 checked on the GPU by bench/gpu_checks.py (model decode)."""
+import gc
+
 import pytest
 import torch
 
@@ -43,3 +45,24 @@ def test_engine_replays_decode_graphs_with_the_eager_tokens():
     # one capture per slot shape: 4 rows (3 requests), 2, then 1; 256 latent columns, then 512
     assert replayed["decode_eager"] == 0 and replayed["decode_graph_capture"] >= 3
     assert replayed["decode_graph_replay"] > 5 * replayed["decode_graph_capture"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_slots_capture_again_after_growing():
+    """Growing the slots drops their graphs; the graphs captured next must not go into the memory
+    pool PyTorch retired with the old ones (run 24: an internal assert of the caching allocator at
+    capture_begin, "use_count > 0")."""
+    from k3.serve.decode_slots import DecodeSlots
+
+    model = K3ForCausalLM(load_config("k3-tiny")).eval().to("cuda", torch.bfloat16)
+    if not capturable_experts(model):
+        pytest.skip("routed experts not capturable on this GPU (grouped_mm needs sm90)")
+    slots = DecodeSlots(model, cuda_graphs=True)
+    kinds = []
+    for requests, tokens in ((1, 10), (2, 300), (4, 700)):  # every shape larger than the last: growth
+        shape = slots.shape_for(requests, tokens)
+        assert slots.reserve(*shape)
+        gc.collect()  # the dropped graphs are gone before the next capture
+        ids = torch.arange(7, 7 + requests, device="cuda")
+        kinds += [slots.step(ids, shape)[1] for _ in range(2)]
+    assert kinds == ["graph_capture", "graph_replay"] * 3

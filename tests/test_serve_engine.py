@@ -105,6 +105,20 @@ def test_greedy_matches_generate(model, prompts, reference, prefix_caching, budg
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache", "nocache"])
+def test_pool_bytes_no_request_wrote_never_reach_an_output(model, prompts, reference, prefix_caching):
+    """The page pool starts uninitialized (torch.empty) and a page can hold a KDA state, then MLA
+    latents: the tail of a request's last latent page and the padding pages hold bytes no request
+    wrote, which as bf16 can be NaN or inf. Here all of them are NaN (0xFF bytes), through chunked
+    prefills, decode-slot fills and the second, reordered pass."""
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, max_num_batched_tokens=7,
+                                           enable_prefix_caching=prefix_caching))
+    engine.runner.pool.fill_(0xFF)
+    assert engine.generate(prompts, GREEDY) == reference
+    order = [4, 1, 3, 0, 2]
+    assert engine.generate([prompts[i] for i in order], GREEDY) == [reference[i] for i in order]
+
+
 def test_compiled_regions_change_no_token(model, prompts, reference, caplog):
     """EngineConfig.compile traces the norms, mixers, FFNs and AttnRes reads (the eager backend keeps
     this fast on CPU: what is checked is that serving through dynamo's graphs, prefill and decode,
@@ -170,6 +184,7 @@ class StandInGraph:
         mla = next(s for s in cache.layers if isinstance(s, MLAState))
         StandInGraph.shapes.append((cache.num_seqs, mla.capacity))
         self.model, self.cache, self.addresses = model, cache, self._addresses(cache)
+        self.pool = pool  # a CUDA graph's memory pool; none on CPU
         saved = _snapshot(cache)
         for _ in range(warmup_steps):
             model(torch.zeros(cache.num_seqs, 1, dtype=torch.long), cache=cache)

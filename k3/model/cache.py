@@ -48,7 +48,8 @@ class KDAState:
 
 @dataclass
 class MLAState:
-    buffer: torch.Tensor  # [N, S, L+R], model dtype; rows past lengths[n] are unused
+    buffer: torch.Tensor  # [N, S, L+R], model dtype; rows past lengths[n] are zeros (attention masks
+    # them, and a masked row is still multiplied by its zero weight: it must not be NaN or inf)
     lengths: torch.Tensor  # [N] int64 on the buffer's device: rows in use per sequence
 
     @classmethod

@@ -22,8 +22,8 @@ from k3.model.experts import RoutedExperts, grouped_mm_available
 
 class CUDAGraphDecoder:
     def __init__(self, model: torch.nn.Module, cache: K3Cache, warmup_steps: int = 2, pool=None):
-        """`pool`: a memory pool (torch.cuda.graph_pool_handle()) shared with other decoders that
-        never replay at the same time, so their intermediates take one allocation."""
+        """`pool`: the memory pool of another live decoder (its `pool`) that never replays at the
+        same time as this one, so their intermediates share one allocation; None: a new pool."""
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"CUDAGraphDecoder needs a CUDA model, got device {device}")
@@ -49,6 +49,7 @@ class CUDAGraphDecoder:
         with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(self.tokens, cache=cache)[:, -1]  # [N, V] fp32, rewritten by each replay
         _restore(cache, saved)
+        self.pool = self.graph.pool()
 
     def _check_room(self) -> None:
         if self.capacity is not None and int(self.cache.lengths.max()) + 1 > self.capacity:

@@ -44,7 +44,8 @@ class DecodeSlots:
         self.rows = self.columns = 0
         self._allocate(0, 0)
         self.graphs: dict[tuple[int, int], CUDAGraphDecoder] = {}
-        self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        # the memory pool the live graphs share (the first capture's); None while there are none
+        self._graph_pool = None
         # the requests whose state the first rows hold, in order (None: nothing that may be reused)
         self.holds: list | None = None
 
@@ -74,13 +75,17 @@ class DecodeSlots:
         if not self.must_grow(rows, columns):
             return False
         self.graphs.clear()
+        # and their memory pool: PyTorch retires a private pool with its last graph, and a capture
+        # into a retired pool's id fails an internal assert of the caching allocator (run 24:
+        # "use_count > 0" at capture_begin, after a growth); the next capture makes a new one
+        self._graph_pool = None
         self.holds = None
         self._allocate(_grown(self.rows, rows), _grown(self.columns, columns))
         return True
 
     def fill(self, lengths: list[int], conv: torch.Tensor, recurrent: torch.Tensor, latents: torch.Tensor) -> None:
         """Load N requests into the first rows: conv [Lk, N, 3C, W-1], recurrent [Lk, N, H, K, V],
-        latents [N, >= max(lengths) (rows past a request's length are ignored), M, L+R'].
+        latents [N, >= max(lengths) (rows past a request's length may hold anything), M, L+R'].
         Rows past N get length 0: a padding row attends only to its own token."""
         n = len(lengths)
         self.conv[:, :n] = conv
@@ -89,8 +94,13 @@ class DecodeSlots:
         self.host_lengths[:n] = torch.tensor(lengths, dtype=torch.long)
         if self.mla_layers:
             columns = min(latents.shape[1], self.columns)
-            self.latents[:, :n, :columns] = latents[:, :columns].permute(2, 0, 1, 3)
             self.mla_lengths.copy_(self.host_lengths.to(self.device).expand_as(self.mla_lengths))
+            # Rows past a request's length come from the tail of its last page and from padding
+            # pages: a recycled page's old bytes (KDA states read as bf16 can be NaN or inf). The
+            # step masks them, but a masked row is still multiplied by its zero weight, and
+            # 0 * NaN = NaN: they must be zeros.
+            unused = torch.arange(columns, device=self.device) >= self.mla_lengths[0, :n, None]  # [n, columns]
+            self.latents[:, :n, :columns] = latents[:, :columns].permute(2, 0, 1, 3).masked_fill(unused[..., None], 0)
 
     def view(self, rows: int, columns: int) -> K3Cache:
         """The cache of the first `rows` rows and `columns` latent columns (views: writes land in
@@ -114,6 +124,7 @@ class DecodeSlots:
         if graph is None:
             graph = CUDAGraphDecoder(self.model, self.view(rows, columns), warmup_steps=1, pool=self._graph_pool)
             self.graphs[shape] = graph
+            self._graph_pool = graph.pool
             kind = "graph_capture"
         tokens = ids.new_zeros(rows)
         tokens[:ids.numel()] = ids
