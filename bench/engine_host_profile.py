@@ -1,0 +1,60 @@
+"""Where the serving engine's host time goes: the mixed workload of bench/serve.py, k3 engine only,
+once to warm up (kernels compile and autotune on new shapes), then once under cProfile.
+
+A warm packed forward on the GPU is host-bound (run 19: ~4 ms of kernels in ~26 ms of wall time),
+so what to shorten is Python and launch work; torch.profiler sees aten ops and kernels, cProfile
+sees the Python functions around them (ours and fla's). cProfile slows Python calls, so read the
+shares, not the seconds. Prints the functions by cumulative time, then by own time.
+
+    python3 bench/engine_host_profile.py --size gpu --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.serve import bench_k3, kimi_linear, mixed_workload  # noqa: E402
+from bench.serve_modes import steps_line  # noqa: E402
+from k3.model.checkpoint import load_pretrained  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="gpu")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=32 * 512, help="max tokens per packed forward")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory() as d:
+        kimi_linear(args.vocab, args.size).save_pretrained(d)
+        model = load_pretrained(d, device=device, dtype=dtype).eval()
+    prompts, wants = mixed_workload(args.requests, (32, 512), (8, 128), args.vocab)
+    graphs = device.type == "cuda"
+    for label in ("warm-up", "profiled"):
+        profiler = cProfile.Profile() if label == "profiled" else None
+        if profiler:
+            profiler.enable()
+        _, elapsed, _, steps = bench_k3(model, prompts, wants, args.budget, args.concurrency, graphs)
+        if profiler:
+            profiler.disable()
+        print(f"{label}: {elapsed:.2f} s; {steps_line(steps)}", flush=True)
+    stats = pstats.Stats(profiler)
+    for key in ("cumulative", "tottime"):
+        print(f"\n### by {key}")
+        stats.sort_stats(key).print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
