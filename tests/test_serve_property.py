@@ -35,8 +35,8 @@ def _cached_bytes(engine: LLMEngine) -> dict:
         rows = []
         for i, page in sorted(e.mla_pages.items()):
             lo, hi = max(start, i * layout.block_size), min(e.length, (i + 1) * layout.block_size)
-            lat = engine.runner.read_latents([page] * (i + 1), (i + 1) * layout.block_size)
-            rows.append(lat[lo:hi].numpy().tobytes())
+            lat = engine.runner.latent_pages()[page]  # rows i * P .. (i + 1) * P
+            rows.append(lat[lo - i * layout.block_size:hi - i * layout.block_size].numpy().tobytes())
         sums[(key, "mla", tuple(sorted(e.mla_pages.items())))] = hashlib.sha1(b"".join(rows)).hexdigest()
     return sums
 

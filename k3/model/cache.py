@@ -59,15 +59,6 @@ class MLAState:
         return cls(torch.zeros(num_seqs, capacity, width, device=device, dtype=dtype),
                    torch.zeros(num_seqs, dtype=torch.long, device=device))
 
-    @classmethod
-    def from_rows(cls, rows: list[torch.Tensor], capacity: int) -> "MLAState":
-        """Sequence n's latents rows[n] [S_n, L+R] in a buffer of at least `capacity` tokens."""
-        buffer = rows[0].new_zeros(len(rows), max(capacity, *(len(r) for r in rows)), rows[0].shape[-1])
-        for n, r in enumerate(rows):
-            buffer[n, :len(r)] = r
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=buffer.device)
-        return cls(buffer, lengths)
-
     @property
     def capacity(self) -> int:
         return self.buffer.shape[1]

@@ -85,7 +85,8 @@ class DecodeSlots:
 
     def fill(self, lengths: list[int], conv: torch.Tensor, recurrent: torch.Tensor, latents: torch.Tensor) -> None:
         """Load N requests into the first rows: conv [Lk, N, 3C, W-1], recurrent [Lk, N, H, K, V],
-        latents [N, >= max(lengths) (rows past a request's length may hold anything), M, L+R'].
+        latents [N, >= max(lengths), M, L+R'], zeros past each request's length (MLAState's contract:
+        the step multiplies masked rows by a zero weight).
         Rows past N get length 0: a padding row attends only to its own token."""
         n = len(lengths)
         self.conv[:, :n] = conv
@@ -94,13 +95,8 @@ class DecodeSlots:
         self.host_lengths[:n] = torch.tensor(lengths, dtype=torch.long)
         if self.mla_layers:
             columns = min(latents.shape[1], self.columns)
+            self.latents[:, :n, :columns] = latents[:, :columns].permute(2, 0, 1, 3)
             self.mla_lengths.copy_(self.host_lengths.to(self.device).expand_as(self.mla_lengths))
-            # Rows past a request's length come from the tail of its last page and from padding
-            # pages: a recycled page's old bytes (KDA states read as bf16 can be NaN or inf). The
-            # step masks them, but a masked row is still multiplied by its zero weight, and
-            # 0 * NaN = NaN: they must be zeros.
-            unused = torch.arange(columns, device=self.device) >= self.mla_lengths[0, :n, None]  # [n, columns]
-            self.latents[:, :n, :columns] = latents[:, :columns].permute(2, 0, 1, 3).masked_fill(unused[..., None], 0)
 
     def view(self, rows: int, columns: int) -> K3Cache:
         """The cache of the first `rows` rows and `columns` latent columns (views: writes land in

@@ -71,7 +71,7 @@ class ModelRunner:
         self._kda_layers, self._mla_layers = self.slots.kda_layers, self.slots.mla_layers
 
     # ------------------------------------------------------------------ page views
-    def _latent_pages(self) -> torch.Tensor:
+    def latent_pages(self) -> torch.Tensor:
         """The pool as MLA pages: [num_pages, P, M, W] in the model dtype."""
         L = self.layout
         return self.pool.view(L.dtype).view(-1, L.block_size, L.num_mla_layers, L.latent_dim)
@@ -93,12 +93,30 @@ class ModelRunner:
         padded[:, :L.snapshot_bytes] = raw
         self.pool[[p for ps in pages for p in ps]] = padded.view(-1, L.page_bytes)
 
-    def read_latents(self, page_table: list[int], num_tokens: int) -> torch.Tensor:
-        """[num_tokens, M, W]: the cached latent rows of one request."""
-        if num_tokens == 0:
-            return self._latent_pages().new_zeros(0, self.layout.num_mla_layers, self.layout.latent_dim)
-        n_pages = self.layout.mla_pages_for(num_tokens)
-        return self._latent_pages()[page_table[:n_pages]].flatten(0, 1)[:num_tokens]
+    def read_pages(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor | None, ...]:
+        """The requests' cached KDA states and MLA latents, one gather each for all layers:
+        (conv [Lk, N, 3C, W-1], recurrent [Lk, N, H, K, V], latents [N, S, M, W]) (None where the
+        model has no such layer); S: the longest request's pages' rows, zeros past each request's
+        length."""
+        n = len(requests)
+        conv = recurrent = latents = None
+        if self._kda_layers:
+            conv, recurrent = self.read_snapshots(
+                [r.state_pages[j] for j in range(len(self._kda_layers)) for r in requests])
+            conv, recurrent = conv.view(-1, n, *self._conv_shape), recurrent.view(-1, n, *self._state_shape)
+        if self._mla_layers:
+            lengths = [r.num_computed for r in requests]
+            pages = self.layout.mla_pages_for(max(lengths))
+            tables = torch.tensor([(r.page_table + [0] * pages)[:pages] for r in requests], dtype=torch.long,
+                                  device=self.device)
+            latents = self.latent_pages()[tables].flatten(1, 2)  # [N, pages * P, M, W]
+            # Rows past a request's length come from the tail of its last page and from padding
+            # pages: bytes no request wrote (a recycled page's KDA state read as bf16 can be NaN or
+            # inf). Attention masks them, but a masked row is still multiplied by its zero weight,
+            # and 0 * NaN = NaN: they must be zeros (MLAState's contract).
+            unused = torch.arange(latents.shape[1], device=self.device) >= torch.tensor(lengths, device=self.device)[:, None]
+            latents = latents.masked_fill(unused[:, :, None, None], 0)
+        return conv, recurrent, latents
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -146,16 +164,21 @@ class ModelRunner:
         self.write_states([r for _, r in alive], self.slots.conv[:, rows], self.slots.recurrent[:, rows])
 
     def build_cache(self, requests: list[ScheduledRequest]) -> K3Cache:
+        """A packed step's cache: the requests' states and latents read from their pages, MLA
+        buffers with room for the step's new rows."""
+        conv, recurrent, latents = self.read_pages(requests)
         layers: list = [None] * self.config.num_hidden_layers
         for j, i in enumerate(self._kda_layers):
-            conv, recurrent = self.read_snapshots([r.state_pages[j] for r in requests])
-            layers[i] = KDAState(conv, recurrent)
-        if self._mla_layers:
-            per_request = [self.read_latents(r.page_table, r.num_computed) for r in requests]
-            needed = max(r.num_computed + len(r.token_ids) for r in requests)
-            for m, i in enumerate(self._mla_layers):
-                layers[i] = MLAState.from_rows([lat[:, m] for lat in per_request], needed)
+            layers[i] = KDAState(conv[j], recurrent[j])
         lengths = torch.tensor([r.num_computed for r in requests], dtype=torch.long)
+        if self._mla_layers:
+            n, rows = latents.shape[:2]
+            capacity = max(rows, max(r.num_computed + len(r.token_ids) for r in requests))
+            on_device = lengths.to(self.device)
+            for m, i in enumerate(self._mla_layers):
+                buffer = latents.new_zeros(n, capacity, latents.shape[-1])
+                buffer[:, :rows] = latents[:, :, m]
+                layers[i] = MLAState(buffer, on_device.clone())  # each layer advances its own lengths
         return K3Cache(layers, lengths)
 
     def write_states(self, requests: list[ScheduledRequest], conv: torch.Tensor, recurrent: torch.Tensor) -> None:
@@ -181,24 +204,11 @@ class ModelRunner:
         seq, position, page, row = torch.stack(
             [seq, position, tables[seq, position // P], position % P]).to(self.device).unbind(0)
         values = torch.stack([cache.layers[i].buffer[seq, position] for i in self._mla_layers], 1)  # [T, M, W]
-        self._latent_pages()[page, row] = values.to(self.layout.dtype)
+        self.latent_pages()[page, row] = values.to(self.layout.dtype)
 
     def _fill_slots(self, requests: list[ScheduledRequest]) -> None:
-        """Load the requests' KDA states and MLA latents from their pages into the decode slots:
-        one gather for all KDA layers' snapshots, one for all MLA layers' pages."""
-        L, n = self.layout, len(requests)
-        conv = recurrent = latents = None
-        if self._kda_layers:
-            conv, recurrent = self.read_snapshots(
-                [r.state_pages[j] for j in range(len(self._kda_layers)) for r in requests])
-            conv, recurrent = conv.view(-1, n, *self._conv_shape), recurrent.view(-1, n, *self._state_shape)
-        lengths = [r.num_computed for r in requests]
-        if self._mla_layers:
-            pages = L.mla_pages_for(max(lengths))
-            tables = torch.tensor([(r.page_table + [0] * pages)[:pages] for r in requests], dtype=torch.long,
-                                  device=self.device)
-            latents = self._latent_pages()[tables].flatten(1, 2)  # [N, pages * P, M, W]
-        self.slots.fill(lengths, conv, recurrent, latents)
+        """Load the requests' KDA states and MLA latents from their pages into the decode slots."""
+        self.slots.fill([r.num_computed for r in requests], *self.read_pages(requests))
         self.slot_fills += 1
 
     def _decode(self, ids: torch.Tensor, requests: list[ScheduledRequest],
