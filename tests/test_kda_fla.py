@@ -35,13 +35,13 @@ def bf16_pair(tensors, half=BF16_INPUTS):
     """(fp32 reference leaves, fla leaves): the `half` positions rounded to bf16 for both, kept in
     bf16 for fla and upcast for the reference; every leaf requires grad."""
     rounded = [t.bfloat16() if i in half else t for i, t in enumerate(cuda(*tensors))]
-    ref = [t.float().requires_grad_() for t in rounded]
+    ref = [t.float().clone().requires_grad_() for t in rounded]
     out = [t.clone().requires_grad_() for t in rounded]
     return ref, out
 
 
 def assert_close_all(names, refs, outs):
-    for name, ref, out in zip(names, refs, outs):
+    for name, ref, out in zip(names, refs, outs, strict=True):
         assert_rel_close(name, ref.float(), out.float(), BF16_TOL)
 
 

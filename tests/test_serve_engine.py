@@ -119,6 +119,18 @@ def test_pool_bytes_no_request_wrote_never_reach_an_output(model, prompts, refer
     assert engine.generate([prompts[i] for i in order], GREEDY) == [reference[i] for i in order]
 
 
+@pytest.mark.parametrize("layers", ["mla", "kda"])
+def test_models_of_one_mixer_kind_serve_like_generate(model, prompts, layers):
+    """A model with only MLA layers (no KDA states to page) or only KDA layers (no latents)."""
+    n = model.config.num_hidden_layers
+    mla = list(range(1, n + 1)) if layers == "mla" else []
+    torch.manual_seed(0)
+    one_kind = K3ForCausalLM(model.config.replace(
+        full_attn_layers=mla, kda_layers=[i for i in range(1, n + 1) if i not in mla])).eval()
+    engine = LLMEngine(one_kind, EngineConfig(block_size=4, hash_block_size=8, max_num_batched_tokens=7))
+    assert engine.generate(prompts, GREEDY) == generate(one_kind, prompts, 4)
+
+
 def test_compiled_regions_change_no_token(model, prompts, reference, caplog):
     """EngineConfig.compile traces the norms, mixers, FFNs and AttnRes reads (the eager backend keeps
     this fast on CPU: what is checked is that serving through dynamo's graphs, prefill and decode,
@@ -179,12 +191,16 @@ class StandInGraph:
     each step runs on exactly the tensors seen at capture (a real graph would read and write those
     addresses whatever the cache held later; a reallocated buffer would go silently stale)."""
     shapes: list[tuple[int, int]] = []
+    pools_given: list = []
+    pools_made: list = []
 
     def __init__(self, model, cache, warmup_steps: int = 2, pool=None):
         mla = next(s for s in cache.layers if isinstance(s, MLAState))
         StandInGraph.shapes.append((cache.num_seqs, mla.capacity))
         self.model, self.cache, self.addresses = model, cache, self._addresses(cache)
-        self.pool = pool  # a CUDA graph's memory pool; none on CPU
+        StandInGraph.pools_given.append(pool)
+        self.pool = object()  # a token for the memory pool a real graph would have made or joined
+        StandInGraph.pools_made.append(self.pool)
         saved = _snapshot(cache)
         for _ in range(warmup_steps):
             model(torch.zeros(cache.num_seqs, 1, dtype=torch.long), cache=cache)
@@ -208,7 +224,7 @@ def test_decode_graphs_one_capture_per_shape_replayed_across_batches(model, prom
     engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8))
     runner = engine.runner
     runner.slots.cuda_graphs = runner.cuda_graphs = True  # what a CUDA device with grouped_mm experts sets
-    StandInGraph.shapes = []
+    StandInGraph.shapes, StandInGraph.pools_given, StandInGraph.pools_made = [], [], []
     _, steps = track_steps(engine)
 
     def greedy(n: int) -> SamplingParams:
@@ -232,6 +248,9 @@ def test_decode_graphs_one_capture_per_shape_replayed_across_batches(model, prom
     # long request alone captures (1, 64), then outgrows 64 columns: the slots grow, every graph is
     # dropped, and (1, 128) is captured
     assert StandInGraph.shapes == [(2, 64), (1, 64), (1, 128)]
+    # the second capture joins the first one's memory pool; after the growth dropped both, the
+    # third starts a new one (a retired pool's id cannot be captured into again)
+    assert StandInGraph.pools_given == [None, StandInGraph.pools_made[0], None]
     assert steps.count("fill") == 4 and counts["decode_eager"] == 0
     assert sum(counts[k] for k in STEP_KINDS if k.startswith("decode")) + counts["packed"] == len(steps)
 

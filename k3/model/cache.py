@@ -48,8 +48,9 @@ class KDAState:
 
 @dataclass
 class MLAState:
-    buffer: torch.Tensor  # [N, S, L+R], model dtype; rows past lengths[n] are zeros (attention masks
-    # them, and a masked row is still multiplied by its zero weight: it must not be NaN or inf)
+    buffer: torch.Tensor  # [N, S, L+R], model dtype; rows past lengths[n] must be finite: attention
+    # masks them but still multiplies them by their zero weights (0 * NaN = NaN). Zeros where they
+    # are made or read from pages; the decode slots also keep rows the model wrote for earlier requests.
     lengths: torch.Tensor  # [N] int64 on the buffer's device: rows in use per sequence
 
     @classmethod

@@ -85,12 +85,14 @@ class DecodeSlots:
 
     def fill(self, lengths: list[int], conv: torch.Tensor, recurrent: torch.Tensor, latents: torch.Tensor) -> None:
         """Load N requests into the first rows: conv [Lk, N, 3C, W-1], recurrent [Lk, N, H, K, V],
-        latents [N, >= max(lengths), M, L+R'], zeros past each request's length (MLAState's contract:
-        the step multiplies masked rows by a zero weight).
+        latents [N, >= max(lengths), M, L+R'], zeros past each request's length (MLAState's contract);
+        conv / recurrent / latents None where the model has no such layer. Latent columns past those
+        given keep what earlier fills and steps wrote there: the model's finite rows, or zeros.
         Rows past N get length 0: a padding row attends only to its own token."""
         n = len(lengths)
-        self.conv[:, :n] = conv
-        self.recurrent[:, :n] = recurrent
+        if self.kda_layers:
+            self.conv[:, :n] = conv
+            self.recurrent[:, :n] = recurrent
         self.host_lengths.zero_()
         self.host_lengths[:n] = torch.tensor(lengths, dtype=torch.long)
         if self.mla_layers:
