@@ -52,6 +52,9 @@ SECTIONS = [
     # 63 s warm on 2026-12-03, plus ~85 s for the compiled model (run 13); the KDA-layer check last
     Section("checks:layers", 280, 20),
     Section("checks:moe", 40, 10),
+    # the pytest files that need CUDA (bench/gpu_tests.py); cold, fla's backward kernels for the
+    # test shapes took 270 s and more (runs 24-26)
+    Section("tests:gpu", 420, 30),
     Section("bench:decode", 420, 25),  # 60 rows of ~2-20 s each, in order of importance (gpu_bench.py)
     # uniform workload (warm-up + measured round, 4 engines: ~200 s in run 17), then the mixed one
     # (HF alone took 30 s there)
@@ -91,6 +94,10 @@ def run_section(name: str, out: Path, smoke: bool, seconds: float) -> None:
         from bench.gpu_checks import run_group
 
         run_group(group, device, smoke, record, deadline)
+    elif kind == "tests":
+        from bench.gpu_tests import run_tests
+
+        run_tests(record, deadline)
     else:
         from bench.gpu_bench import BENCHES
 
