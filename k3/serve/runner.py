@@ -114,7 +114,8 @@ class ModelRunner:
             # pages: bytes no request wrote (a recycled page's KDA state read as bf16 can be NaN or
             # inf). Attention masks them, but a masked row is still multiplied by its zero weight,
             # and 0 * NaN = NaN: they must be finite (MLAState's contract), and are zeroed.
-            unused = torch.arange(latents.shape[1], device=self.device) >= torch.tensor(lengths, device=self.device)[:, None]
+            held = torch.tensor(lengths, device=self.device)[:, None]
+            unused = torch.arange(latents.shape[1], device=self.device) >= held
             latents = latents.masked_fill(unused[:, :, None, None], 0)
         return conv, recurrent, latents
 
