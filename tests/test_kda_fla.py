@@ -45,6 +45,14 @@ def assert_close_all(names, refs, outs):
         assert_rel_close(name, ref.float(), out.float(), BF16_TOL)
 
 
+def decode_pair(ref, out, extra=lambda leaves: {}):
+    """Each sequence's first token as one decode step: the recurrence on the reference leaves, fla's
+    decode kernel (fused_recurrent_kda) on its own; `extra(leaves)`: more kda arguments."""
+    with torch.no_grad():
+        return [kda(*(t[:, :1] for t in x[:5]), initial_state=x[5][:x[0].shape[0]], output_final_state=True,
+                    impl=impl, **extra(x)) for impl, x in (("recurrent", ref), ("fla", out))]
+
+
 CASES = [(2, 63, "lb"), (1, 200, "softplus"), (1, 64, "lb")]
 
 
@@ -87,13 +95,8 @@ def test_fla_in_kernel_gate_matches_torch_gate(form):
     # up to 1.15e-2 on some seeds (docs/BENCHMARKS.md, runs 21-22; bench/gpu_checks.py reports it)
     kept = [n for n, name in enumerate(names) if not (form == "softplus" and name == "dA_log")]
     assert_close_all([names[n] for n in kept], [results["chunk"][n] for n in kept], [results["fla"][n] for n in kept])
-    with torch.no_grad():  # decode: fused_recurrent_kda with the gate in-kernel
-        decoded = {}
-        for impl, inputs in (("recurrent", leaves["chunk"]), ("fla", leaves["fla"])):
-            one = [t[:, :1] for t in inputs[:5]]
-            decoded[impl] = kda(*one, initial_state=inputs[5], output_final_state=True, impl=impl,
-                                gate=DecayGate(*inputs[6:], gate.lower_bound))
-    assert_close_all(["decode o", "decode state"], decoded["recurrent"], decoded["fla"])
+    decoded = decode_pair(*leaves.values(), lambda x: dict(gate=DecayGate(*x[6:], gate.lower_bound)))
+    assert_close_all(["decode o", "decode state"], *decoded)  # with the gate in-kernel
 
 
 def test_fla_packed_and_decode_match_reference():
@@ -103,10 +106,8 @@ def test_fla_packed_and_decode_match_reference():
     with torch.no_grad():
         packed = [kda(*x[:5], initial_state=x[5], output_final_state=True, cu_seqlens=cu, impl=impl)
                   for impl, x in (("chunk", ref), ("fla", out))]
-        decoded = [kda(*(t[:, :1] for t in x[:5]), initial_state=x[5][:1], output_final_state=True, impl=impl)
-                   for impl, x in (("recurrent", ref), ("fla", out))]  # fla: fused_recurrent_kda
     assert_close_all(["packed o", "packed state"], *packed)
-    assert_close_all(["decode o", "decode state"], *decoded)
+    assert_close_all(["decode o", "decode state"], *decode_pair(ref, out))
 
 
 def test_fla_layer_matches_chunk_layer_with_state():
@@ -151,10 +152,7 @@ def test_fla_normalize_qk_in_kernel_matches_chunk():
         o, s = kda(*x[:5], initial_state=x[5], output_final_state=True, impl=impl, normalize_qk=True)
         results[impl] = (o, s, *torch.autograd.grad((o.float() * do).sum(), x[:2]))
     assert_close_all(("o", "state", "dq", "dk"), results["chunk"], results["fla"])
-    with torch.no_grad():
-        decoded = [kda(*(t[:, :1] for t in x[:5]), initial_state=x[5], output_final_state=True, impl=impl,
-                       normalize_qk=True) for impl, x in (("recurrent", leaves["chunk"]), ("fla", leaves["fla"]))]
-    assert_close_all(["decode o", "decode state"], *decoded)
+    assert_close_all(["decode o", "decode state"], *decode_pair(*leaves.values(), lambda x: dict(normalize_qk=True)))
 
 
 def test_auto_keeps_fp32_on_torch_paths():
