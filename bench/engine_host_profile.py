@@ -1,12 +1,16 @@
 """Where the serving engine's host time goes: the mixed workload of bench/serve.py, k3 engine only,
-once to warm up (kernels compile and autotune on new shapes), then once under cProfile.
+twice: a first round (kernels compile and autotune on new shapes), then a warm one; `--round`
+picks the one run under cProfile.
 
 A warm packed forward on the GPU is host-bound (run 19: ~4 ms of kernels in ~26 ms of wall time),
 so what to shorten is Python and launch work; torch.profiler sees aten ops and kernels, cProfile
 sees the Python functions around them (ours and fla's). cProfile slows Python calls, so read the
 shares, not the seconds. Prints the functions by cumulative time, then by own time.
 
-    python3 bench/engine_host_profile.py --size gpu --device cuda
+    python3 bench/engine_host_profile.py --size gpu --device cuda [--round first]
+
+The first round is what a freshly started server pays (run 23: 14.8 s against 4.2 s warm, 5.6 s of
+it in one 8,294-token packed forward), so `--round first` shows where that goes.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--budget", type=int, default=32 * 512, help="max tokens per packed forward")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--round", choices=("first", "warm"), default="warm", help="the round to profile")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -42,15 +47,15 @@ def main() -> None:
         model = load_pretrained(d, device=device, dtype=dtype).eval()
     prompts, wants = mixed_workload(args.requests, (32, 512), (8, 128), args.vocab)
     graphs = device.type == "cuda"
-    for label in ("warm-up", "profiled"):
-        profiler = cProfile.Profile() if label == "profiled" else None
+    for label in ("first", "warm"):
+        profiler = cProfile.Profile() if label == args.round else None
         if profiler:
             profiler.enable()
         _, elapsed, _, steps = bench_k3(model, prompts, wants, args.budget, args.concurrency, graphs)
         if profiler:
             profiler.disable()
-        print(f"{label}: {elapsed:.2f} s; {steps_line(steps)}", flush=True)
-    stats = pstats.Stats(profiler)
+            stats = pstats.Stats(profiler)
+        print(f"{label} round{' (profiled)' if profiler else ''}: {elapsed:.2f} s; {steps_line(steps)}", flush=True)
     for key in ("cumulative", "tottime"):
         print(f"\n### by {key}")
         stats.sort_stats(key).print_stats(args.top)

@@ -21,11 +21,13 @@ as one batch and each longer document alone.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3.config import K3Config
 from k3.model.cache import MLAState
@@ -34,6 +36,15 @@ from k3.ops.varlen import seq_lengths
 
 # The official code gives the two latent norms eps 1e-6, unlike every other norm (SPEC §3).
 MLA_LATENT_NORM_EPS = 1e-6
+
+# Attention with a mask only happens against a cache (prefill after a prefix, chunked prefill, a
+# serving step's documents), where nearly every call has a (query, key) shape not seen before.
+# The default choice for MLA's shapes on the H200 is cuDNN's SDPA, which builds an execution plan
+# for each new shape: a fresh server's first packed step of 32 documents took 5.6-9.6 s against
+# 0.08 s warm (docs/BENCHMARKS.md run 28: SDPA 9.8 s of a 19.3 s first round under cProfile; 0.09 s
+# in run 29 with this rule). Masked calls therefore use the kernels that need no plan; unmasked
+# (training) calls keep the default choice, where shapes repeat and cuDNN's plans are reused.
+MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class GatedMLA(nn.Module):
@@ -90,9 +101,10 @@ class GatedMLA(nn.Module):
         c, k_pe = lat.split([self.latent_dim, self.pe_dim], dim=-1)
         k_nope, v = self.kv_b_proj(c).view(B, S, H, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, self.pe_dim)], dim=-1)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        with nullcontext() if mask is None else sdpa_kernel(MASKED_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return o.transpose(1, 2)  # [B, T, H, V]
 
     def _attend_absorbed(self, q, lat, mask):
