@@ -127,6 +127,7 @@ def test_fla_layer_matches_chunk_layer_with_state():
         y = fla(x, state=s_fla)
     assert_rel_close("y", y_ref.float(), y.float(), 3e-2)
     assert_rel_close("state", s_ref.recurrent, s_fla.recurrent, 3e-2)
+    assert_rel_close("conv tails", s_ref.conv.float(), s_fla.conv.float(), 3e-2)
 
 
 def test_fla_prefix_invariance():
