@@ -42,8 +42,9 @@ MLA_LATENT_NORM_EPS = 1e-6
 # The default choice for MLA's shapes on the H200 is cuDNN's SDPA, which builds an execution plan
 # for each new shape: a fresh server's first packed step of 32 documents took 5.6-9.6 s against
 # 0.08 s warm (docs/BENCHMARKS.md run 28: SDPA 9.8 s of a 19.3 s first round under cProfile; 0.09 s
-# in run 29 with this rule). Masked calls therefore use the kernels that need no plan; unmasked
-# (training) calls keep the default choice, where shapes repeat and cuDNN's plans are reused.
+# in run 29 with this rule). Masked calls therefore use the kernels that need no plan. Unmasked calls
+# (training) keep the default choice: a uniform batch repeats one shape, so its plans are reused (a
+# packed row's documents do vary in length; what cuDNN's plans cost training there is not measured).
 MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
