@@ -232,7 +232,7 @@ def _fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Call
     return run
 
 
-def _layer(layer: torch.nn.Module, x: torch.Tensor, pick: Callable = lambda y: y) -> Callable[[], None]:
+def layer_fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, pick: Callable = lambda y: y) -> Callable[[], None]:
     return _fwd_bwd(lambda: pick(layer(x)), [x, *layer.parameters()])
 
 
@@ -258,7 +258,7 @@ def _kda_op(cfg: K3Config, impl: str, device) -> Callable:
     return lambda *t: kda(*t, impl=impl, gate=gate)[0]
 
 
-def _fla_layer(cfg: K3Config) -> torch.nn.Module:
+def fla_kda_layer(cfg: K3Config) -> torch.nn.Module:
     """flash-linear-attention's own layer (fla.layers ships in the flash-linear-attention wheel,
     not fla-core) with k3-1b's heads and dims and the K3 gate (safe_gate, lower bound -5)."""
     from fla.layers import KimiDeltaAttention as FlaKimiDeltaAttention
@@ -291,18 +291,18 @@ def kda_cases(cfg: K3Config, T: int, device: torch.device, fla: bool) -> list[Ca
     kda_flops = T * kda_flops_per_token(cfg)
     # Whole layers first (the issue's comparison: ours vs fla's layer), then the bare ops.
     cases = [Case(f"k3 KimiDeltaAttention layer [{impl}]",
-                  lambda: _layer(KimiDeltaAttention(cfg, 0).to(device, bf16), x()), 0.0, False)]
+                  lambda: layer_fwd_bwd(KimiDeltaAttention(cfg, 0).to(device, bf16), x()), 0.0, False)]
     if fla:
         cases.append(Case("fla.layers.KimiDeltaAttention layer",
-                          lambda: _layer(_fla_layer(cfg).to(device, bf16), x(), pick=lambda out: out[0]), 0.0, False))
+                          lambda: layer_fwd_bwd(fla_kda_layer(cfg).to(device, bf16), x(), pick=lambda out: out[0]), 0.0, False))
     if device.type == "cuda":  # what `k3 train --compile` runs (k3/model/regional_compile.py); compiles per length
         cases.append(Case(f"k3 KimiDeltaAttention layer [{impl}] compiled",
-                          lambda: _layer(_compiled(KimiDeltaAttention(cfg, 0).to(device, bf16)), x()), 0.0, False))
+                          lambda: layer_fwd_bwd(_compiled(KimiDeltaAttention(cfg, 0).to(device, bf16)), x()), 0.0, False))
     cases += [
         Case(f"k3 kda op [{impl}]",
              lambda: _op(_kda_op(cfg, impl, device), _kda_inputs(T, H, K, device)), kda_flops, False),
         Case("k3 GatedMLA layer (naive, SDPA)",
-             lambda: _layer(GatedMLA(cfg, 3).to(device, bf16), x()), T * mla_flops_per_token(cfg, T), True),
+             lambda: layer_fwd_bwd(GatedMLA(cfg, 3).to(device, bf16), x()), T * mla_flops_per_token(cfg, T), True),
         Case(f"SDPA causal op ({H} heads, d={K})",
              lambda: _op(_sdpa_causal, heads()), causal_attention_flops(T, H, K, K), True),
     ]

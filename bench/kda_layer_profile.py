@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gpu_bench import _fla_layer, _layer  # noqa: E402
+from bench.gpu_bench import fla_kda_layer, layer_fwd_bwd  # noqa: E402
 from bench.kernel_profile import kind_of, print_kernel_tables, print_op_table  # noqa: E402
 from k3.config import load_config  # noqa: E402
 from k3.model.kda import KimiDeltaAttention  # noqa: E402
@@ -42,13 +42,13 @@ def main() -> None:
         raise SystemExit("needs CUDA and fla-core with triton")
     device, bf16 = torch.device("cuda"), torch.bfloat16
     cfg = load_config("k3-1b")
-    layers = {"k3": KimiDeltaAttention(cfg, 0), "fla": _fla_layer(cfg)}
+    layers = {"k3": KimiDeltaAttention(cfg, 0), "fla": fla_kda_layer(cfg)}
     kinds: dict[str, dict[str, float]] = {}
     wall: dict[str, float] = {}
     for name, layer in layers.items():
         x = torch.randn(1, args.tokens, cfg.hidden_size, device=device, dtype=bf16, requires_grad=True)
         pick = (lambda y: y) if name == "k3" else (lambda y: y[0])
-        step = _layer(layer.to(device, bf16), x, pick)
+        step = layer_fwd_bwd(layer.to(device, bf16), x, pick)
         for _ in range(3):  # compiles and autotunes fla's kernels for this length
             step()
         torch.cuda.synchronize()
