@@ -214,7 +214,7 @@ def save_triton_cache(cache_dir: Path, out: Path) -> str:
     tool returns), so the next call starts with compiled kernels and autotuning results. xz at its
     default level on every core: Python's single-threaded level 1 made run 31's cache (591 MB) 53
     MiB, too big to carry beside the wheels (the device tool carries 64 MiB in all); level 6, 39 MiB
-    (3 min on this 2-core CPU; on the device's 16 cores it should take well under one, not measured)."""
+    (3 min on this 2-core CPU; on the device's 16 cores well under a minute is expected, not measured)."""
     if not cache_dir.is_dir():
         return "none to save"
     tar = subprocess.run(["tar", "-C", str(cache_dir), "-cf", "-", "."], capture_output=True, check=True)
