@@ -9,8 +9,9 @@ shares, not the seconds. Prints the functions by cumulative time, then by own ti
 
     python3 bench/engine_host_profile.py --size gpu --device cuda [--round first]
 
-The first round is what a freshly started server pays (run 23: 14.8 s against 4.2 s warm, 5.6 s of
-it in one 8,294-token packed forward), so `--round first` shows where that goes.
+The first round is what a freshly started server pays (run 25: 13.7 s against 5.4 s warm, 5.6 s of
+it in one 8,294-token packed forward), so `--round first` shows where that goes (run 28: cuDNN's
+SDPA plans, since avoided; docs/BENCHMARKS.md runs 28-29).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def main() -> None:
         model = load_pretrained(d, device=device, dtype=dtype).eval()
     prompts, wants = mixed_workload(args.requests, (32, 512), (8, 128), args.vocab)
     graphs = device.type == "cuda"
+    stats = None
     for label in ("first", "warm"):
         profiler = cProfile.Profile() if label == args.round else None
         if profiler:

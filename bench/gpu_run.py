@@ -217,8 +217,11 @@ def save_triton_cache(cache_dir: Path, out: Path) -> str:
     (3 min on this 2-core CPU; on the device's 16 cores well under a minute is expected, not measured)."""
     if not cache_dir.is_dir():
         return "none to save"
-    tar = subprocess.run(["tar", "-C", str(cache_dir), "-cf", "-", "."], capture_output=True, check=True)
-    data = subprocess.run(["xz", "-6", "-T0"], input=tar.stdout, capture_output=True, check=True).stdout
+    try:  # the run's results are written already; a cache that cannot be packed only costs the next run time
+        tar = subprocess.run(["tar", "-C", str(cache_dir), "-cf", "-", "."], capture_output=True, check=True)
+        data = subprocess.run(["xz", "-6", "-T0"], input=tar.stdout, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"not saved: {exc}"
     parts = [data[i:i + TRITON_PART_BYTES] for i in range(0, len(data), TRITON_PART_BYTES)]
     for n, part in enumerate(parts):
         (out / f"{TRITON_PART_PREFIX}{n:02d}").write_bytes(part)

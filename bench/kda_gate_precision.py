@@ -70,6 +70,7 @@ def main() -> None:
         raise SystemExit("needs CUDA and fla-core with triton")
     rows = [(form, seed, path, errs) for form in ("softplus", "lb") for seed in range(args.seeds)
             for path, errs in measure(form, seed, args.loss).items()]
+    print(f"gradients of: {args.loss} (--loss)")
     print(f"{'gate':9} {'seed':>4} {'path':20} {'o':>9} {'draw gate':>9} {'dA_log':>9} {'ddt_bias':>9} "
           f"{'dA_log/draw':>11}")
     for form, seed, path, (o, draw, d_a, d_bias) in rows:

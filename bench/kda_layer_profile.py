@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -20,17 +19,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_bench import fla_kda_layer, layer_fwd_bwd  # noqa: E402
-from bench.kernel_profile import kind_of, print_kernel_tables, print_op_table  # noqa: E402
+from bench.kernel_profile import print_kernel_tables, print_op_table  # noqa: E402
 from k3.config import load_config  # noqa: E402
 from k3.model.kda import KimiDeltaAttention  # noqa: E402
-
-
-def kernel_ms_by_kind(prof: profile, steps: int) -> dict[str, float]:
-    by_kind: dict[str, float] = defaultdict(float)
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.key:
-            by_kind[kind_of(e.key)] += e.self_device_time_total / steps / 1e3
-    return by_kind
 
 
 def main() -> None:
@@ -60,11 +51,11 @@ def main() -> None:
             end.record()
             torch.cuda.synchronize()
         wall[name] = start.elapsed_time(end) / args.steps
-        print_kernel_tables(prof, args.steps, f"{name} layer, T {args.tokens}, fwd+bwd", top=25)
+        kinds[name] = print_kernel_tables(prof, args.steps, f"{name} layer, T {args.tokens}, fwd+bwd", top=25)
+        print(f"\n{name} layer's aten ops:")
         print_op_table(prof, args.steps, top=20)
-        kinds[name] = kernel_ms_by_kind(prof, args.steps)
         del step, x
-        layers[name] = layer.cpu()
+        layer.cpu()
         torch.cuda.empty_cache()
     print(f"\n### KDA layer fwd+bwd, T {args.tokens}: GPU ms per step by kind (profiled)")
     print("| kind | k3 | fla |\n|---|---|---|")

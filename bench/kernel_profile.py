@@ -31,8 +31,9 @@ def kind_of(name: str) -> str:
     return next((kind for kind, parts in KINDS if any(p in lowered for p in parts)), "other")
 
 
-def print_kernel_tables(prof: torch.profiler.profile, steps: int, title: str, top: int = 20) -> None:
-    """A heading with the kernels' GPU time per step, the `top` largest kernels, then the kinds."""
+def print_kernel_tables(prof: torch.profiler.profile, steps: int, title: str, top: int = 20) -> dict[str, float]:
+    """A heading with the kernels' GPU time per step, the `top` largest kernels, then the kinds.
+    Returns the GPU ms per step of each kind."""
     # GPU-side ranges of annotations ("## Call CompiledFxGraph ... ##" around each compiled graph,
     # "Optimizer.step#AdamW.step") span kernels that are listed themselves: counting them would count
     # those kernels twice. Kernel names never contain '#'.
@@ -40,7 +41,7 @@ def print_kernel_tables(prof: torch.profiler.profile, steps: int, title: str, to
                if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.key]
     if not kernels:
         print(f"\n### {title}: no CUDA kernels recorded")
-        return
+        return {}
     by_kind: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_kind[kind_of(e.key)] += e.self_device_time_total / steps / 1e3
@@ -55,6 +56,7 @@ def print_kernel_tables(prof: torch.profiler.profile, steps: int, title: str, to
     print("|---|---|---|")
     for kind, ms in sorted(by_kind.items(), key=lambda kv: kv[1], reverse=True):
         print(f"| {kind} | {ms:.3f} | {ms / total_ms:.0%} |")
+    return dict(by_kind)
 
 
 def print_op_table(prof: torch.profiler.profile, steps: int, top: int = 24) -> None:

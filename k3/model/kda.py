@@ -107,7 +107,7 @@ class KimiDeltaAttention(KeepsFP32):
                 state: KDAState | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. With `state`, continue its N sequences and leave the new conv
         tails and recurrent state in it."""
-        B, T, _ = x.shape
+        B = x.shape[0]
         H, K = self.num_heads, self.head_dim
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if state is not None:
@@ -137,12 +137,12 @@ class KimiDeltaAttention(KeepsFP32):
     def short_convs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
                     state: KDAState | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """q, k, v [B, T, H, K] = SiLU(causal conv(proj x)), and the new conv tails [N, 3C, W-1]
-        when there is a state. Three convs, so that each stream comes out contiguous: fla's KDA
-        kernels copy strided inputs, and one conv over the concatenated streams cost 1.15 ms of
+        when there is a state. Three convs, from which fla's conv returns each stream contiguous:
+        fla's KDA kernels copy strided inputs, and one conv over the concatenated streams cost 1.15 ms of
         copies and concatenations in an 18.1 ms fwd+bwd at 64K tokens on the H200 (run 30). A
         decode step (one token per sequence) runs one conv instead: its cost is kernel launches,
         not bytes, and the single conv reads and writes the state's tails in one piece."""
-        B, T, _ = x.shape
+        T = x.shape[1]
         H, K = self.num_heads, self.head_dim
         projs, convs = (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         conv = partial(causal_conv1d, cu_seqlens=cu_seqlens, output_final_state=state is not None,
@@ -152,7 +152,10 @@ class KimiDeltaAttention(KeepsFP32):
             qkv, tails = conv(torch.cat([p(x) for p in projs], dim=-1), weight, initial_state=state.conv)
             return qkv.unflatten(-1, (3, H, K)).unbind(dim=2), tails
         initial = (None,) * 3 if state is None else state.conv.chunk(3, dim=1)
-        outs = [conv(p(x), c.weight.squeeze(1), initial_state=s) for p, c, s in zip(projs, convs, initial, strict=True)]
+        # the projections first, then the convs: under torch.compile, fla's ops may each break the
+        # graph, and breaks next to one another leave fewer, larger graphs
+        inputs = [p(x) for p in projs]
+        outs = [conv(y, c.weight.squeeze(1), initial_state=s) for y, c, s in zip(inputs, convs, initial, strict=True)]
         tails = None if state is None else torch.cat([t for _, t in outs], dim=1)
         return tuple(y.unflatten(-1, (H, K)) for y, _ in outs), tails
 
