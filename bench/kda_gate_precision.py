@@ -10,7 +10,8 @@ dt_bias against the fp32 torch chunk path on the same values upcast; with the ga
 fla's kernel (the layer's path) and by torch before fla (no in-kernel gate), so that an error in
 fla's gate kernel would show as a difference between the two. `--loss` picks what the gradients
 are of: the output and the final state together (as the checks), or either alone, to tell which
-path's error adds up in the sums. CUDA with fla only. Prints a table.
+path's error adds up in the sums. Each gate form's last rows pool the seeds: the same RMSE ratio over
+the 8 heads of every seed (tests/test_kda_fla.py bounds dA_log so). CUDA with fla only. Prints a table.
 """
 from __future__ import annotations
 
@@ -23,42 +24,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3.ops.kda import DecayGate, activate_gate, kda  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
-from tests.test_kda_ops import make_gate, make_inputs  # noqa: E402
+from tests.test_kda_fla import gate_parameter_case, gated_kda_grads  # noqa: E402
 
-B, T, H, K = 2, 1000, 8, 128
-PATHS = {"reference": ("chunk", True), "fla, gate in-kernel": ("fla", True), "fla, gate by torch": ("fla", False)}
 LOSSES = {"both": (1.0, 1.0), "output": (1.0, 0.0), "state": (0.0, 1.0)}  # weights of the o and final-state terms
+QUANTITIES = ("o", "draw gate", "dA_log", "ddt_bias")
 
 
-def gradients(leaves: list[torch.Tensor], impl: str, in_kernel: bool, lower_bound, do, ds, loss: str):
-    """Output and gradients of (q, k, v, raw gate, beta, h0, A_log, dt_bias)."""
-    gate = DecayGate(leaves[6], leaves[7], lower_bound)
-    q, k, v, raw, beta, h0 = leaves[:6]
-    if in_kernel:
-        o, s = kda(q, k, v, raw, beta, initial_state=h0, output_final_state=True, impl=impl, gate=gate)
-    else:
-        o, s = kda(q, k, v, activate_gate(raw, gate), beta, initial_state=h0, output_final_state=True, impl=impl)
-    w_o, w_s = LOSSES[loss]
-    return o, torch.autograd.grad(w_o * (o.float() * do).sum() + w_s * (s * ds).sum(), leaves)
+def torch_gate_grads(leaves: list[torch.Tensor], lower_bound, do, ds, weights):
+    """fla with the gate activated by torch first (no in-kernel gate): o and every leaf's gradient."""
+    o, s = kda(*leaves[:3], activate_gate(leaves[3], DecayGate(*leaves[6:], lower_bound)), leaves[4],
+               initial_state=leaves[5], output_final_state=True, impl="fla")
+    return o, s, *torch.autograd.grad(weights[0] * (o.float() * do).sum() + weights[1] * (s * ds).sum(), leaves)
 
 
-def measure(form: str, seed: int, loss: str) -> dict[str, tuple[float, ...]]:
-    torch.manual_seed(seed)
-    q, k, v, _, beta, h0 = make_inputs(B, T, H, K, K, form)
-    raw, gate = make_gate(B, T, H, K, form)
-    keep_fp32 = (3, 5, 6, 7)  # the raw gate, the state and the gate parameters stay fp32, as the layer passes them
-    inputs = [t.cuda() if i in keep_fp32 else t.cuda().bfloat16()
-              for i, t in enumerate((q, k, v, raw, beta, h0, gate.A_log, gate.dt_bias))]
-    do, ds = torch.randn(B, T, H, K, device="cuda"), torch.randn(B, H, K, K, device="cuda")
-    results = {}
-    for path, (impl, in_kernel) in PATHS.items():
-        dtype = torch.float32 if path == "reference" else None
-        leaves = [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in inputs]
-        results[path] = gradients(leaves, impl, in_kernel, gate.lower_bound, do, ds, loss)
-    ref_o, ref_g = results.pop("reference")
-    return {path: (rel_err(ref_o.float().cpu(), o.float().cpu()),
-                   *(rel_err(ref_g[i].cpu(), g[i].float().cpu()) for i in (3, 6, 7)))
-            for path, (o, g) in results.items()}
+def measure(form: str, seed: int, loss: str) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """For each fla path, (reference, fla) pairs of o, the raw-gate gradient, dA_log and ddt_bias,
+    on the CPU, against the fp32 torch chunk path on the same values upcast."""
+    ref, out, lower_bound, do, ds = gate_parameter_case(form, seed)
+    weights = LOSSES[loss]
+    results = {"fla, gate in-kernel": gated_kda_grads("fla", out, lower_bound, do, ds, weights),
+               "fla, gate by torch": torch_gate_grads([t.detach().clone().requires_grad_() for t in out],
+                                                      lower_bound, do, ds, weights)}
+    expected = gated_kda_grads("chunk", ref, lower_bound, do, ds, weights)
+    picks = (0, 5, 8, 9)  # o; after the state and dq, dk, dv: the raw gate's gradient; A_log's, dt_bias's
+    return {path: [(expected[i].float().cpu(), got[i].float().cpu()) for i in picks] for path, got in results.items()}
 
 
 def main() -> None:
@@ -68,13 +57,22 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA and fla-core with triton")
-    rows = [(form, seed, path, errs) for form in ("softplus", "lb") for seed in range(args.seeds)
-            for path, errs in measure(form, seed, args.loss).items()]
     print(f"gradients of: {args.loss} (--loss)")
-    print(f"{'gate':9} {'seed':>4} {'path':20} {'o':>9} {'draw gate':>9} {'dA_log':>9} {'ddt_bias':>9} "
-          f"{'dA_log/draw':>11}")
-    for form, seed, path, (o, draw, d_a, d_bias) in rows:
-        print(f"{form:9} {seed:>4} {path:20} {o:9.2e} {draw:9.2e} {d_a:9.2e} {d_bias:9.2e} {d_a / draw:11.2f}")
+    print(f"{'gate':9} {'seed':>6} {'path':20} " + " ".join(f"{q:>9}" for q in QUANTITIES) + f" {'dA_log/draw':>11}")
+    for form in ("softplus", "lb"):
+        pairs: dict[str, list] = {}
+        for seed in range(args.seeds):
+            for path, pair in measure(form, seed, args.loss).items():
+                pairs.setdefault(path, []).append(pair)
+                print(row(form, str(seed), path, [rel_err(r, o) for r, o in pair]))
+        for path, per_seed in pairs.items():
+            pooled = [rel_err(torch.cat([p[i][0].flatten() for p in per_seed]),
+                              torch.cat([p[i][1].flatten() for p in per_seed])) for i in range(len(QUANTITIES))]
+            print(row(form, "pooled", path, pooled))
+
+
+def row(form: str, seed: str, path: str, errs: list[float]) -> str:
+    return f"{form:9} {seed:>6} {path:20} " + " ".join(f"{e:9.2e}" for e in errs) + f" {errs[2] / errs[1]:11.2f}"
 
 
 if __name__ == "__main__":

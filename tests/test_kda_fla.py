@@ -68,6 +68,44 @@ def test_fla_chunk_matches_chunk_outputs_and_grads(B, T, gate):
     assert_close_all(["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], results["chunk"], results["fla"])
 
 
+def gated_kda_grads(impl: str, leaves: list[torch.Tensor], lower_bound: float | None, do, ds,
+                    weights: tuple[float, float] = (1.0, 1.0)):
+    """kda as the layer calls it, leaves = q, k, v, raw gate, beta, h0, A_log, dt_bias (the gate
+    activated by the op: in fla's kernels for impl "fla"): o, final state and the gradients of
+    every leaf, of weights[0] * <o, do> + weights[1] * <state, ds>."""
+    o, s = kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, impl=impl,
+               gate=DecayGate(*leaves[6:], lower_bound))
+    loss = weights[0] * (o.float() * do).sum() + weights[1] * (s * ds).sum()
+    return o, s, *torch.autograd.grad(loss, leaves)
+
+
+def gate_parameter_case(form: str, seed: int, B: int = 2, T: int = 1000):
+    """One seed's inputs at bench/gpu_checks.py's shapes: (fp32 reference leaves, fla leaves) as
+    bf16_pair makes them from q, k, v, raw gate, beta, h0, A_log, dt_bias; the gate's lower bound;
+    random loss weights do [B, T, H, K] and ds [B, H, K, K]."""
+    torch.manual_seed(seed)
+    q, k, v, _, beta, h0 = make_inputs(B, T, H, K, K, form)
+    raw, gate = make_gate(B, T, H, K, form)
+    ref, out = bf16_pair((q, k, v, raw, beta, h0, gate.A_log, gate.dt_bias))
+    do, ds = torch.randn(B, T, H, K, device="cuda"), torch.randn(B, H, K, K, device="cuda")
+    return ref, out, gate.lower_bound, do, ds
+
+
+@pytest.mark.parametrize("form", ["lb", "softplus"])
+def test_fla_gate_parameter_gradient_over_seeds(form):
+    """dA_log [H] sums the per-token gate gradient over every token and key of a head, terms of
+    both signs that largely cancel, so one seed's RMSE ratio over 8 heads is a noisy statistic: the
+    same code gave 2.4e-3 .. 1.2e-2 across six seeds (docs/BENCHMARKS.md, runs 22 and 33), the
+    spread coming from the size of the exact sums. Pooling the heads of 8 seeds measures the same
+    ratio, RMSE(error) / RMSE(gradient), on 64 sums instead of 8."""
+    refs, outs = [], []
+    for seed in range(8):
+        ref, out, lower_bound, do, ds = gate_parameter_case(form, seed)
+        refs.append(gated_kda_grads("chunk", ref, lower_bound, do, ds)[-2])
+        outs.append(gated_kda_grads("fla", out, lower_bound, do, ds)[-2])
+    assert_rel_close("dA_log, 8 seeds pooled", torch.cat(refs), torch.cat(outs), BF16_TOL)
+
+
 @pytest.mark.parametrize("form", ["lb", "softplus"])
 def test_fla_in_kernel_gate_matches_torch_gate(form):
     """The layer's CUDA path: raw gate projections activated inside fla's kernels (safe_gate for the
@@ -84,16 +122,9 @@ def test_fla_in_kernel_gate_matches_torch_gate(form):
               else naive_kda_gate(ref[3], ref[6], ref[7]))
     assert_rel_close("gate formula vs fla's oracle", oracle, activate_gate(ref[3], DecayGate(*ref[6:], gate.lower_bound)), 1e-6)
     do, ds = torch.randn(B, T, H, K, device="cuda"), torch.randn(B, H, K, K, device="cuda")
-    results = {}
-    for impl, inputs in leaves.items():
-        o, s = kda(*inputs[:5], initial_state=inputs[5], output_final_state=True, impl=impl,
-                   gate=DecayGate(*inputs[6:], gate.lower_bound))
-        results[impl] = (o, s, *torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), inputs))
+    results = {impl: gated_kda_grads(impl, inputs, gate.lower_bound, do, ds) for impl, inputs in leaves.items()}
     names = ["o", "final state", "dq", "dk", "dv", "draw", "dbeta", "dh0", "dA_log", "ddt_bias"]
-    # A_log's gradient sums the per-token gate gradient (draw, checked) over every token and channel
-    # of a head; with the softplus gate's one-sign weights that sum amplifies bf16's correlated error
-    # up to 1.15e-2 on some seeds (docs/BENCHMARKS.md, runs 21-22; bench/gpu_checks.py reports it)
-    kept = [n for n, name in enumerate(names) if not (form == "softplus" and name == "dA_log")]
+    kept = [n for n, name in enumerate(names) if name != "dA_log"]  # one seed's 8 sums: the test above
     assert_close_all([names[n] for n in kept], [results["chunk"][n] for n in kept], [results["fla"][n] for n in kept])
     decoded = decode_pair(*leaves.values(), lambda x: dict(gate=DecayGate(*x[6:], gate.lower_bound)))
     assert_close_all(["decode o", "decode state"], *decoded)  # with the gate in-kernel

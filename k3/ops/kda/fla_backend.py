@@ -11,6 +11,11 @@ fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
   is checked against the torch reference (bench/gpu_checks.py). q/k's L2 norm runs in the kernels
   with `normalize_qk` (`use_qk_l2norm_in_kernel`: x / sqrt(sum x^2 + 1e-6) in fp32, our formula and
   eps); beta arrives post-sigmoid: `use_beta_sigmoid_in_kernel=False`.
+- dtypes as fla's own layer hands them over: q/k in v's dtype; beta as it comes (the layer's fp32
+  sigmoid; fla's in-kernel sigmoid also returns fp32); a raw gate in its own dtype, since fla's gate
+  kernel activates it in fp32 and returns its gradient in that dtype (an fp32 copy of a bf16
+  projection adds no precision, only a copy each way and twice the gate kernel's reads); an
+  activated gate in fp32, its cumulative sums' precision.
 - state layout: fla's default key-first [N, H, K, V] (`state_v_first=False`), fp32 as fla asserts.
 - `cu_seqlens` is fla's (FlashAttention) convention, the same as ours.
 - chunk_kda accepts chunk sizes 32 and 64 only; a smaller requested chunk runs at 64 (the chunk
@@ -58,9 +63,9 @@ def kda_fla(
 
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # fail here, not inside a Triton launch
 
-    # fla's kernels take one activation dtype for q/k/v/beta; g and the state stay fp32.
-    dtype = v.dtype
-    q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.float()
+    q, k = q.to(v.dtype), k.to(v.dtype)
+    if gate is None:
+        g = g.float()
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     inputs = (q, k, v, g, beta, initial_state) + ((gate.A_log, gate.dt_bias) if gate is not None else ())
