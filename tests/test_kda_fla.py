@@ -4,8 +4,9 @@ numbers within kernel precision. Skipped where CUDA or fla+triton is missing (al
 fla's KDA kernels are checked as the product runs them: "auto" sends only half precision to fla
 (fp32 stays on the torch paths, k3.ops.kda), so q, k, v go in as bf16, beta too (the layer sends
 it in fp32; bf16 is the coarser of the two), the raw gate and the state in fp32, against the fp32
-torch reference on the same bf16-rounded values, to issue #5's bf16 bar. Heads of 128 as in k3-1b and the serving benches: the kernels compiled and
-autotuned here are those they use, not specializations nothing else runs."""
+torch reference on the same bf16-rounded values, to issue #5's bf16 bar. Heads of 128 as in k3-1b
+and the serving benches: the kernels compiled and autotuned here are those they use, not
+specializations nothing else runs."""
 from __future__ import annotations
 
 import pytest
