@@ -238,7 +238,8 @@ def dA_log_over_seeds(c: Checker, seeds: int = 8) -> None:
     from bench.kda_gate_precision import measure
 
     for form in ("lb", "softplus"):
-        pairs = [measure(form, seed, "both")["fla, gate in-kernel"][2] for seed in range(seeds)]
+        path = "fla, gate in-kernel"
+        pairs = [measure(form, seed, "both", paths=(path,))[path][2] for seed in range(seeds)]
         c.compare(f"kda[fla] {form} gate bf16 B2 T1000 dA_log, {seeds} seeds pooled vs chunk",
                   torch.cat([r for r, _ in pairs]), torch.cat([o for _, o in pairs]), BF16,
                   note="per seed: " + ", ".join(f"{rel_err(r, o):.1e}" for r, o in pairs))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,14 +38,16 @@ def torch_gate_grads(leaves: list[torch.Tensor], lower_bound, do, ds, weights):
     return o, s, *torch.autograd.grad(weights[0] * (o.float() * do).sum() + weights[1] * (s * ds).sum(), leaves)
 
 
-def measure(form: str, seed: int, loss: str) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """For each fla path, (reference, fla) pairs of o, the raw-gate gradient, dA_log and ddt_bias,
+PATHS = {"fla, gate in-kernel": partial(gated_kda_grads, "fla"), "fla, gate by torch": torch_gate_grads}
+
+
+def measure(form: str, seed: int, loss: str, paths=tuple(PATHS)) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """For each of `paths`, (reference, fla) pairs of o, the raw-gate gradient, dA_log and ddt_bias,
     on the CPU, against the fp32 torch chunk path on the same values upcast."""
     ref, out, lower_bound, do, ds = gate_parameter_case(form, seed)
     weights = LOSSES[loss]
-    results = {"fla, gate in-kernel": gated_kda_grads("fla", out, lower_bound, do, ds, weights),
-               "fla, gate by torch": torch_gate_grads([t.detach().clone().requires_grad_() for t in out],
-                                                      lower_bound, do, ds, weights)}
+    results = {path: PATHS[path]([t.detach().clone().requires_grad_() for t in out], lower_bound, do, ds, weights)
+               for path in paths}
     expected = gated_kda_grads("chunk", ref, lower_bound, do, ds, weights)
     picks = (0, 5, 8, 9)  # o; after the state and dq, dk, dv: the raw gate's gradient; A_log's, dt_bias's
     return {path: [(expected[i].float().cpu(), got[i].float().cpu()) for i in picks] for path, got in results.items()}
