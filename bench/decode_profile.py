@@ -5,7 +5,7 @@
 
 Profiles eager steps (host launch overhead visible as the gap between CPU and CUDA totals),
 CUDA-graph replays (GPU time only) and replays of the model with its regions compiled
-(k3.model.regional_compile, as bench/gpu_bench.py's "graph+compile" rows), and prints the kernels
+(k3.regional_compile, as bench/gpu_bench.py's "graph+compile" rows), and prints the kernels
 by CUDA time, a short table last.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernel_profile import print_kernel_tables  # noqa: E402
 from bench.gpu_bench import all_mla, decode_step, random_cache  # noqa: E402
 from k3.config import load_config  # noqa: E402
-from k3.model.regional_compile import compile_regions  # noqa: E402
+from k3.regional_compile import compile_regions  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
 
 MODES = ("eager", "graph", "graph+compile")  # in this order: the last compiles the model in place

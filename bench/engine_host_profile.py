@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.serve import bench_k3, kimi_linear, mixed_workload  # noqa: E402
 from bench.serve_modes import steps_line  # noqa: E402
-from k3.model.checkpoint import load_pretrained  # noqa: E402
+from k3.checkpoint.official import load_pretrained  # noqa: E402
 
 
 def main() -> None:

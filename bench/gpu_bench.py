@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.ceilings import H200_BF16_DENSE_TFLOPS, measure, median_ms  # noqa: E402
 from bench.gpu_checks import per_expert_loop  # noqa: E402
 from k3.config import K3Config, load_config  # noqa: E402
-from k3.model.balance import balance_step  # noqa: E402
+from k3.train.balance import balance_step  # noqa: E402
 from k3.model.cache import K3Cache, KDAState, MLAState  # noqa: E402
-from k3.model.decode_graph import CUDAGraphDecoder  # noqa: E402
+from k3.serve.decode_graph import CUDAGraphDecoder  # noqa: E402
 from k3.model.experts import RoutedExperts, grouped_mm_available  # noqa: E402
 from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
@@ -59,7 +59,7 @@ from k3.model.params import count_parameters  # noqa: E402
 from k3.model.transformer import K3ForCausalLM  # noqa: E402
 from k3.ops import fla_kernels  # noqa: E402
 from k3.ops.kda import DecayGate, kda  # noqa: E402
-from k3.model.regional_compile import compile_regions  # noqa: E402
+from k3.regional_compile import compile_regions  # noqa: E402
 
 Record = Callable[[dict], None]
 GB = 1e9
@@ -204,7 +204,7 @@ def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadl
                       "flops_per_token": flops, "note": note + detail})
 
     measure("eager", step_s)
-    # Regional torch.compile (k3/model/regional_compile.py), as `k3 train --compile` runs; the first steps compile.
+    # Regional torch.compile (k3/regional_compile.py), as `k3 train --compile` runs; the first steps compile.
     compile_regions(model, backend="eager" if smoke else "inductor")
     _free(device)
     t0 = time.monotonic()
@@ -295,7 +295,7 @@ def kda_cases(cfg: K3Config, T: int, device: torch.device, fla: bool) -> list[Ca
     if fla:
         cases.append(Case("fla.layers.KimiDeltaAttention layer",
                           lambda: layer_fwd_bwd(fla_kda_layer(cfg).to(device, bf16), x(), pick=lambda out: out[0]), 0.0, False))
-    if device.type == "cuda":  # what `k3 train --compile` runs (k3/model/regional_compile.py); compiles per length
+    if device.type == "cuda":  # what `k3 train --compile` runs (k3/regional_compile.py); compiles per length
         cases.append(Case(f"k3 KimiDeltaAttention layer [{impl}] compiled",
                           lambda: layer_fwd_bwd(_compiled(KimiDeltaAttention(cfg, 0).to(device, bf16)), x()), 0.0, False))
     cases += [
@@ -500,7 +500,7 @@ def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record,
         all(case(variant, batch, context, "eager") for variant, batch, context in grid)
         return
     # In order of what the targets need, as the time budget may end the list: CUDA-graph replay of
-    # the model with its regions compiled (k3/model/regional_compile.py: each layer's norms, mixer and FFN
+    # the model with its regions compiled (k3/regional_compile.py: each layer's norms, mixer and FFN
     # and the AttnRes reads, which fuses the small kernels that dominate a small model's decode
     # step) over the whole grid; then uncompiled replay; then eager at batch 1 (where launch
     # overhead shows most).

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3.config import K3Config, load_config  # noqa: E402
 from k3.model import experts as experts_module  # noqa: E402
 from k3.model.cache import K3Cache, KDAState, MLAState  # noqa: E402
-from k3.model.decode_graph import CUDAGraphDecoder, capturable_experts  # noqa: E402
-from k3.model.regional_compile import compile_regions  # noqa: E402
+from k3.serve.decode_graph import CUDAGraphDecoder, capturable_experts  # noqa: E402
+from k3.regional_compile import compile_regions  # noqa: E402
 from k3.model.experts import RoutedExperts  # noqa: E402
 from k3.model.kda import KimiDeltaAttention  # noqa: E402
 from k3.model.mla import GatedMLA  # noqa: E402
@@ -547,7 +547,7 @@ def check_model_decode(c: Checker) -> None:
 
 
 def check_compiled_model(c: Checker) -> None:
-    """The model with its regions compiled by inductor (k3.model.regional_compile, as `k3 train
+    """The model with its regions compiled by inductor (k3.regional_compile, as `k3 train
     --compile` and the decode bench's "graph+compile" rows run it), bf16 on the device: prefill and
     CUDA-graph decode steps against the fp32 reference of the same rounded weights, under the same
     bound as the eager model. Inductor fuses and reorders the bf16 arithmetic, so it is not expected

@@ -34,7 +34,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.serve_modes import K3_MODES, agreement_summary, mixed_line, steps_line  # noqa: E402
-from k3.model.checkpoint import load_pretrained  # noqa: E402
+from k3.checkpoint.official import load_pretrained  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_bench import training_step  # noqa: E402
 from bench.kernel_profile import print_kernel_tables, print_op_table  # noqa: E402
 from k3.config import load_config  # noqa: E402
-from k3.model.regional_compile import compile_regions  # noqa: E402
+from k3.regional_compile import compile_regions  # noqa: E402
 
 
 def main() -> None:

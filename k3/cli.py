@@ -8,12 +8,12 @@ import importlib
 import sys
 
 COMMANDS = {
-    "params": ("k3.model.params", "count parameters of a config (total / activated per token)"),
+    "params": ("k3.params_cli", "count parameters of a config (total / activated per token)"),
     "train": ("k3.train.cli", "train a model (default: k3-tiny on the bundled corpus, CPU)"),
-    "generate": ("k3.train.generate_cli", "sample from a trained run"),
+    "generate": ("k3.generation.cli", "sample from a trained run"),
     "serve": ("k3.serve.cli", "OpenAI-compatible HTTP server"),
     "chat": ("k3.serve.chat_cli", "chat with a model in the terminal"),
-    "quantize": ("k3.quant.cli", "convert a checkpoint to the MXFP4 packed layout"),
+    "quantize": ("k3.checkpoint.quantize_cli", "convert a checkpoint to the MXFP4 packed layout"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Regional compilation (k3/model/regional_compile.py) traces every mixer and FFN kind and changes nothing.
+"""Regional compilation (k3/regional_compile.py) traces every mixer and FFN kind and changes nothing.
 
 Traced with the "eager" backend (dynamo only): it checks that the graphs capture and agree, in
 seconds; inductor's code generation is exercised on the GPU (bench/gpu_bench.py, train).
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
-from k3.model.regional_compile import compile_regions
-from tests.conftest import assert_rel_close, recompile_limit_hits
+from k3.regional_compile import compile_regions
+from tests.helpers import assert_rel_close, recompile_limit_hits
 
 
 def _loss_and_grads(model, ids):
@@ -57,6 +57,7 @@ def test_compiled_regions_decode_in_place():
     assert_rel_close("decode logits", outs[0], outs[1], 1e-5)
 
 
+@pytest.mark.slow  # a cold inductor cache compiles for minutes on 2 cores
 def test_compiled_attn_res_reads_never_fall_back_to_eager(caplog):
     """The shared compiled read is traced per source count, grad mode and kind of length (training,
     prefills of two lengths, decode steps); the recompile limit must cover them all, or later
@@ -87,7 +88,7 @@ def test_training_steps_trace_once():
     append made every step, and every micro-batch, a new MoE graph."""
     from torch._dynamo.utils import counters
 
-    from k3.model.balance import balance_step
+    from k3.train.balance import balance_step
 
     torch._dynamo.reset()
     model = K3ForCausalLM(load_config("k3-tiny")).train()

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from k3.config import ConfigError, K3Config, load_config, PRESETS
-from tests.conftest import K3_CONFIG_JSON, KIMI_LINEAR_CONFIG_JSON
+from k3.config import PRESETS, ConfigError, K3Config, load_config
+from tests.helpers import K3_CONFIG_JSON, KIMI_LINEAR_CONFIG_JSON
 
 
 @pytest.mark.parametrize("path", [K3_CONFIG_JSON, KIMI_LINEAR_CONFIG_JSON], ids=["k3", "kimi-linear"])

@@ -5,7 +5,7 @@ I expert intermediate width.
 
 Weights are stacked — `w1`, `w3` [E, I, H] (gate, up) and `w2` [E, H, I] (down) — rather than E
 separate modules: the official checkpoint's `experts.{e}.w1.weight` is exactly `w1[e]` (the
-checkpoint code splits and stacks at the file boundary, k3/model/checkpoint.py), building the
+checkpoint code splits and stacks at the file boundary, k3/checkpoint/official.py), building the
 2.78T model on the meta device takes 92 modules instead of 247k, and a GPU runs all experts in
 one grouped GEMM (`torch._grouped_mm`) instead of a Python loop.
 """
@@ -69,7 +69,7 @@ class RoutedExperts(nn.Module):
             return torch._grouped_mm(self.act(gate, up), w2.transpose(-2, -1), offs=offs)
         return self._loop_over_experts(x, counts, w1, w3, w2)
 
-    # Runs eager inside compiled regions (k3.model.regional_compile): the split sizes are read on
+    # Runs eager inside compiled regions (k3.regional_compile): the split sizes are read on
     # the host, so a traced loop would be specialized, and recompiled, for every routing pattern.
     @torch.compiler.disable
     def _loop_over_experts(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,

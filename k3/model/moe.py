@@ -13,7 +13,7 @@ k experts per token, I expert intermediate width.
 Kimi-Linear (routed_expert_hidden_size absent) is the classic MoE: experts at width D and no
 down/norm/up around them. The bias is a persistent buffer: the official checkpoint stores it
 (`gate.e_score_correction_bias`, fp32, like transformers' KimiLinearTopkRouter), the optimizer
-must not train it (balancing replaces it, k3/model/balance.py), and it stays frozen at inference.
+must not train it (balancing replaces it, k3/train/balance.py), and it stays frozen at inference.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from k3.config import K3Config
+from k3.model.experts import RoutedExperts, expert_counts
 from k3.model.norm import RMSNorm
 from k3.model.precision import KeepsFP32
-from k3.model.experts import RoutedExperts, expert_counts
 from k3.model.situ import DenseMLP
 
 

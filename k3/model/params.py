@@ -1,4 +1,4 @@
-"""Parameter accounting (SPEC §10) and the `k3 params` verb.
+"""Parameter accounting (SPEC §10); the `k3 params` verb is k3/params_cli.py.
 
 Convention (stated, and printed by the tool):
 - total   = every tensor of the text model at its unquantized shape (vision encoder excluded);
@@ -8,13 +8,12 @@ The model is built on the meta device, so the official 2.78T config counts in se
 """
 from __future__ import annotations
 
-import json
 import re
 from collections import OrderedDict
 
 import torch
 
-from k3.config import K3Config, load_config
+from k3.config import K3Config
 
 COMPONENTS = ["embedding", "kda", "mla", "attnres", "dense_ffn", "shared_experts", "routed_experts",
               "latent_projections", "router", "norms", "lm_head"]
@@ -68,37 +67,3 @@ def count_parameters(config: K3Config) -> dict:
         "convention": "total: all text-model tensors unquantized; active: total minus unselected routed "
                       "experts ((E-k)/E per MoE layer) minus the input embedding (lm_head counted)",
     }
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--config", default="k3", help="preset name (k3, k3-tiny, k3-1b) or config.json path/dir")
-    parser.add_argument("--json", action="store_true", help="print JSON (keys: total, active, components)")
-
-
-def run(args) -> int:
-    counts = count_parameters(load_config(args.config))
-    if args.json:
-        print(json.dumps(counts, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"parameters of {args.config}")
-    table.add_column("component")
-    table.add_column("parameters", justify="right")
-    table.add_column("share", justify="right")
-    for name, n in counts["components"].items():
-        table.add_row(name, f"{n:,}", f"{100 * n / counts['total']:.2f}%")
-    table.add_row("[bold]total[/bold]", f"[bold]{counts['total']:,}[/bold]", f"{_human(counts['total'])}")
-    table.add_row("[bold]active per token[/bold]", f"[bold]{counts['active']:,}[/bold]", f"{_human(counts['active'])}")
-    console = Console()
-    console.print(table)
-    console.print(f"convention: {counts['convention']}")
-    return 0
-
-
-def _human(n: int) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)

@@ -2,7 +2,7 @@
 
 Legend: B batch, T tokens, D hidden, V vocab. Module and parameter names are the official
 checkpoint's (`model.layers.{i}.self_attn...`, `model.output_attn_res_proj`, `lm_head`), so the
-checkpoint table in k3/model/checkpoint.py is a prefix, not a rename of every tensor.
+checkpoint table in k3/checkpoint/official.py is a prefix, not a rename of every tensor.
 
 Sequences travel either as a uniform batch [B, T] or packed into one row with `cu_seqlens`
 (documents never share state). Padded batches (`attention_mask`) are unpadded into the packed
@@ -40,7 +40,7 @@ class K3DecoderLayer(nn.Module):
         if config.attn_res_block_size is not None:
             self.self_attention_res_proj, self.self_attention_res_norm = new_attn_res_pair(D, eps)
             self.mlp_res_proj, self.mlp_res_norm = new_attn_res_pair(D, eps)
-            self.attn_res_read = attn_res_read  # k3.model.regional_compile swaps in a compiled read
+            self.attn_res_read = attn_res_read  # k3.regional_compile swaps in a compiled read
 
     def mixer(self, h: torch.Tensor, cu_seqlens, state) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, state=state)

@@ -15,11 +15,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from k3.serve.chat_format import ChatFormat, ReplyParser
     from k3.serve.detokenizer import IncrementalDetokenizer
     from k3.serve.engine import LLMEngine
     from k3.serve.loading import load_for_serving
     from k3.serve.sampling import SamplingParams
+    from k3.text.chat_format import ChatFormat, ReplyParser
 
     try:
         model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from k3.model.cache import MLA_CAPACITY_STEP, K3Cache, KDAState, MLAState
-from k3.model.decode_graph import CUDAGraphDecoder
+from k3.serve.decode_graph import CUDAGraphDecoder
 
 
 class DecodeSlots:

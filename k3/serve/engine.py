@@ -26,7 +26,7 @@ from typing import AsyncIterator
 
 from tokenizers import Tokenizer
 
-from k3.model.regional_compile import compile_regions
+from k3.regional_compile import compile_regions
 from k3.serve.cache_manager import CacheManager
 from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.page_layout import PageLayout
@@ -62,7 +62,7 @@ class EngineConfig:
     max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay lasting decode batches from CUDA graphs (CUDA + grouped_mm experts only)
-    # torch.compile backend for each layer's norms, mixer, FFN and AttnRes reads (k3.model.regional_compile),
+    # torch.compile backend for each layer's norms, mixer, FFN and AttnRes reads (k3.regional_compile),
     # or None; "inductor" fuses the small kernels of a decode step (the first steps of each shape compile)
     compile: str | None = None
     seed: int | None = None

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from k3.model.checkpoint import load_pretrained
-from k3.train.checkpoint import resolve_checkpoint
-from k3.train.tokenizer import TOKENIZER_FILE, load_tokenizer
+from k3.checkpoint.official import load_pretrained
+from k3.checkpoint.run_folder import resolve_checkpoint
+from k3.text.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from collections import Counter
 import torch
 
 from k3.model.cache import K3Cache, KDAState, MLAState
-from k3.model.decode_graph import capturable_experts
+from k3.serve.decode_graph import capturable_experts
 from k3.serve.decode_slots import DecodeSlots
 from k3.serve.page_layout import PageLayout
 from k3.serve.sampling import SampledToken, Sampler, SamplingParams

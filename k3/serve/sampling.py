@@ -1,6 +1,6 @@
 """Per-request sampling parameters and the batched sampler (tensor code, called by the runner).
 
-Token selection reuses `k3.model.generate.sample_next` (greedy rows in one batch, on the logits'
+Token selection reuses `k3.generation.generate.sample_next` (greedy rows in one batch, on the logits'
 device, as `generate` picks them; the others row by row), so greedy serving is the model's own
 `generate` by construction; each request may bring its own seed (its own generator,
 so its samples do not depend on what else is in the batch). Logprobs are of the model's raw
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3.model.generate import sample_next
+from k3.generation.generate import sample_next
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound
 

@@ -27,21 +27,29 @@ import torch
 from torch.nn import functional as F
 
 from k3.atomic import write_atomic
+from k3.checkpoint import training_state as ckpt
+from k3.checkpoint.run_folder import latest_checkpoint
 from k3.config import ConfigError, load_config
 from k3.data.corpus import load_documents, split_documents
-from k3.model.balance import balance_step, expert_loads
-from k3.model.generate import generate
+from k3.generation.generate import generate
 from k3.model.params import count_parameters
 from k3.model.transformer import K3ForCausalLM
-from k3.train import checkpoint as ckpt
+from k3.text.tokenizer import (
+    MIN_VOCAB_SIZE,
+    load_tokenizer,
+    save_tokenizer,
+    special_ids,
+    token_bytes,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
+from k3.train.balance import balance_step, expert_loads
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
 from k3.train.muon import PerHeadMuon, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, pack, window, windows_for_step
 from k3.train.parallel import World, all_reduce_sum, init_world, shard_model, shutdown
 from k3.train.schedule import warmup_cosine
-from k3.train.tokenizer import (MIN_VOCAB_SIZE, load_tokenizer, save_tokenizer, special_ids, token_bytes,
-                                tokenizer_fingerprint, train_tokenizer)
 
 RUN_FILE = "run.json"
 BALANCE_RULES = ("quantile", "histogram", "sign", "none")
@@ -65,7 +73,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     balance: str = "quantile"  # quantile | histogram | sign | none
     qat: bool = False  # MXFP4/MXFP8 quantization-aware training of the routed experts (k3.quant.qat)
-    compile: bool = False  # torch.compile norms, mixers, FFNs and AttnRes reads (k3.model.regional_compile); for CUDA runs
+    compile: bool = False  # torch.compile norms, mixers, FFNs and AttnRes reads (k3.regional_compile); for CUDA runs
     val_fraction: float = 0.02  # the bundled corpus: 1 of 42 works
     eval_every: int = 100
     eval_windows: int = 16  # windows of the periodic eval; the final eval reads all of val
@@ -192,7 +200,7 @@ class Trainer:
         self.params = count_parameters(self.config)
         self.model = shard_model(model, self.world) if self.world.distributed else model
         if settings.compile:  # after sharding, as torchtitan orders it: FSDP2 hooks stay outside the graphs
-            from k3.model.regional_compile import compile_regions
+            from k3.regional_compile import compile_regions
 
             compile_regions(model)
         self.optimizer = PerHeadMuon(param_groups(self.model, self.config, weight_decay=settings.weight_decay),
@@ -200,7 +208,7 @@ class Trainer:
         self.scheduler = warmup_cosine(self.optimizer, settings.steps, settings.min_lr_ratio)
         self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
         if resume:
-            found = ckpt.latest_checkpoint(self.run_dir / "checkpoints")
+            found = latest_checkpoint(self.run_dir / "checkpoints")
             if found is not None:
                 state = ckpt.load_checkpoint(found, self.model, self.optimizer, self.scheduler)
                 self.step, self.elapsed, self.tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
@@ -340,7 +348,7 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=s.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
-        last_ckpt = ckpt.latest_checkpoint(self.run_dir / "checkpoints")
+        last_ckpt = latest_checkpoint(self.run_dir / "checkpoints")
         try:
             while self.step < s.steps:
                 t0 = time.perf_counter()

@@ -18,10 +18,10 @@ from tokenizers import Tokenizer
 
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from k3.serve.chat_format import ChatFormat, ReplyParser
 from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
+from k3.text.chat_format import ChatFormat, ReplyParser
 
 
 @dataclass

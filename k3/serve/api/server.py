@@ -22,8 +22,8 @@ from tokenizers import Tokenizer
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError
 from k3.serve.api.routes import ServingContext, router
-from k3.serve.chat_format import ChatFormat
 from k3.serve.engine import AsyncEngine
+from k3.text.chat_format import ChatFormat
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # readable without the API key (probes, scrapers)

@@ -1,0 +1,133 @@
+"""Training checkpoints: everything `--resume` needs to continue bit-for-bit, never pickled.
+
+A checkpoint is a folder `step_{N:07d}/` under the run's `checkpoints/`:
+    config.json, model-*.safetensors, model.safetensors.index.json   the model, HF layout, official
+                                                                    names (k3.checkpoint.official)
+    tokenizer.json, tokenizer_config.json                           so the folder loads on its own
+    optimizer.safetensors                                           optimizer state, "state/<param>/<key>"
+    trainer_state.json                                              step, data position, scheduler,
+                                                                    param groups, run settings
+    rng.safetensors                                                 torch RNG states
+It is written into a hidden temp folder and renamed into place as the last act, so a folder named
+`step_*` is always whole: a process killed mid-write leaves only a `.tmp` folder, which resume
+ignores and the next save removes. The last `keep` checkpoints are kept.
+
+State dicts come from torch.distributed.checkpoint's `get_*_state_dict(full_state_dict=True)`, the
+same call for a plain module and an FSDP2-sharded one, so a checkpoint is unsharded and resumes
+at any world size. Only rank 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from k3.checkpoint.official import official_to_state_dict, read_safetensors, save_pretrained, state_dict_to_official
+from k3.checkpoint.run_folder import list_checkpoints
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _full_options() -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, trainer_state: dict,
+                    write_extras, *, keep: int) -> Path:
+    """Collective under torch.distributed (every rank calls it); rank 0 writes.
+    `write_extras(folder)` adds files that are not training state (the tokenizer)."""
+    model_sd = get_model_state_dict(model, options=_full_options())
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=_full_options())
+    final = ckpt_root / f"step_{step:07d}"
+    if _rank0():
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_root.glob(".step_*.tmp"):  # left by a process killed mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = ckpt_root / f".{final.name}.tmp"
+        tmp.mkdir()
+        # official names from the gathered (full) state dict, not from the possibly sharded module
+        save_pretrained(model, tmp, tensors=state_dict_to_official(model, model_sd))
+        write_extras(tmp)
+        opt_tensors, groups = _flatten_optimizer(optim_sd)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        save_file(_rng_tensors(), str(tmp / "rng.safetensors"))
+        state = dict(trainer_state, step=step, scheduler=scheduler.state_dict(), param_groups=groups)
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+        if final.exists():  # re-saving a step (resumed exactly at it): swap the old one out
+            old = ckpt_root / f".{final.name}.old.tmp"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)  # the commit point
+        for old in list_checkpoints(ckpt_root)[:-keep]:
+            shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def load_checkpoint(folder: Path, model, optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and RNG in place; returns the trainer state dict."""
+    state = json.loads((folder / TRAINER_STATE).read_text())
+    model_sd = official_to_state_dict(model.config, read_safetensors(folder))
+    set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
+    optim_sd = _unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")), state["param_groups"])
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(state["scheduler"])
+    _restore_rng(load_file(str(folder / "rng.safetensors")))
+    return state
+
+
+def _flatten_optimizer(optim_sd: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    tensors = {}
+    for name, per_param in optim_sd["state"].items():
+        for key, value in per_param.items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            tensors[f"state/{name}/{key}"] = t.detach().cpu().contiguous()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_sd["param_groups"]]
+    return tensors, groups
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
+    state: dict[str, dict] = {}
+    for key, t in tensors.items():
+        _, rest = key.split("/", 1)
+        name, field = rest.rsplit("/", 1)
+        state.setdefault(name, {})[field] = t
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"cuda{i}"] = s
+    return out
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["cpu"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda")), key=lambda k: int(k[4:]))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)

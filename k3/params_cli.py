@@ -1,0 +1,41 @@
+"""`k3 params`: the parameter breakdown of a preset or config.json (k3/model/params.py counts)."""
+from __future__ import annotations
+
+import json
+
+from k3.config import load_config
+from k3.model.params import count_parameters
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default="k3", help="preset name (k3, k3-tiny, k3-1b) or config.json path/dir")
+    parser.add_argument("--json", action="store_true", help="print JSON (keys: total, active, components)")
+
+
+def run(args) -> int:
+    counts = count_parameters(load_config(args.config))
+    if args.json:
+        print(json.dumps(counts, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"parameters of {args.config}")
+    table.add_column("component")
+    table.add_column("parameters", justify="right")
+    table.add_column("share", justify="right")
+    for name, n in counts["components"].items():
+        table.add_row(name, f"{n:,}", f"{100 * n / counts['total']:.2f}%")
+    table.add_row("[bold]total[/bold]", f"[bold]{counts['total']:,}[/bold]", f"{_human(counts['total'])}")
+    table.add_row("[bold]active per token[/bold]", f"[bold]{counts['active']:,}[/bold]", f"{_human(counts['active'])}")
+    console = Console()
+    console.print(table)
+    console.print(f"convention: {counts['convention']}")
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)

@@ -1,0 +1,1 @@
+"""Text formats shared by training and serving: the byte-level BPE tokenizer and the chat format."""

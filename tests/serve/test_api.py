@@ -1,0 +1,393 @@
+"""The OpenAI-compatible server on a real uvicorn on 127.0.0.1 (random free port), driven by the
+unmodified `openai` client: completions and chat, streaming and not, tool calls and reasoning,
+errors (OpenAI JSON, 4xx only, fuzzed bodies), API key, and pages freed on client disconnect."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3.config import load_config
+from k3.model.transformer import K3ForCausalLM
+from k3.serve.api.server import ServerThread, build_app
+from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
+from k3.text.chat_format import ChatFormat
+from k3.text.tokenizer import train_tokenizer
+from tests.serve.fakes import ScriptedModel, one_torch_thread  # noqa: F401 (autouse fixture)
+
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is the weather in Paris today?",
+          '{"name": "get_weather", "arguments": {"city": "Paris"}}'] * 4
+REPLY = '<think>look it up</think>Checking.<tool_call>{"id": "call_1", "name": "get_weather", ' \
+        '"arguments": {"city": "Paris"}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(CORPUS, 330)
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    """k3-tiny at random init behind a server."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size())).eval()
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512))
+    with ServerThread(build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="k3-tiny")) as server:
+        yield server, engine
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer):
+    """A stand-in model that always answers REPLY (a think section and a tool call), behind an API key."""
+    chat = ChatFormat(tokenizer)
+    script = tokenizer.encode(REPLY, add_special_tokens=False).ids
+    model = ScriptedModel(tokenizer.get_vocab_size(), chat.sep, script, chat.close)
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512, max_num_seqs=8))
+    app = build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="scripted", api_key=KEY)
+    with ServerThread(app) as server:
+        yield server, engine
+
+
+def client(server, key="none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def wait_idle(engine: LLMEngine, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.requests or engine.cache.pool.num_used:
+        assert time.monotonic() < deadline, "requests or pages still held"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- happy paths
+def test_models_health_metrics(tiny):
+    server, _ = tiny
+    assert [m.id for m in client(server).models.list().data] == ["k3-tiny"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_completions_stream_equals_non_stream(tiny):
+    server, engine = tiny
+    c = client(server)
+    full = c.completions.create(model="k3-tiny", prompt="The quick brown fox", max_tokens=5, temperature=0,
+                                extra_body={"ignore_eos": True}, logprobs=2)
+    assert full.usage.completion_tokens == 5 and full.choices[0].finish_reason == "length"
+    assert len(full.choices[0].logprobs.token_logprobs) == 5
+    chunks = list(c.completions.create(model="k3-tiny", prompt="The quick brown fox", max_tokens=5, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    # the resend hit the prefix cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1
+    wait_idle(engine)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("k3_requests_running", "k3_requests_waiting", "k3_cache_usage", "k3_prefix_cache_queries_total",
+                 "k3_prefix_cache_hits_total", "k3_time_to_first_token_seconds_bucket",
+                 "k3_inter_token_latency_seconds_bucket", "k3_generation_tokens_total",
+                 'k3_runner_steps_total{kind="packed"}'):
+        assert name in text, name
+
+
+def test_chat_stream_and_not(tiny):
+    server, engine = tiny
+    c = client(server)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather?"}]
+    full = c.chat.completions.create(model="k3-tiny", messages=messages, max_tokens=6, temperature=0,
+                                     reasoning_effort="medium")
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens <= 6
+    stream = c.chat.completions.create(model="k3-tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, reasoning_effort="medium")
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json={"model": "k3-tiny", "messages": messages, "max_tokens": 2, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    wait_idle(engine)
+
+
+def test_tool_calls_and_reasoning_round_trip(scripted, tokenizer):
+    server, engine = scripted
+    c = client(server, KEY)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    full = c.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, temperature=0)
+    msg, choice = full.choices[0].message, full.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert msg.content == "Checking." and msg.model_extra["reasoning"] == "look it up"
+    (call,) = msg.tool_calls
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == ("call_1", "get_weather",
+                                                                                 {"city": "Paris"})
+    # streaming: the same call arrives as one tool_calls delta
+    calls, reasoning, content = [], "", ""
+    for ch in c.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, temperature=0, stream=True):
+        if ch.choices:
+            d = ch.choices[0].delta
+            calls += d.tool_calls or []
+            reasoning += (d.model_extra or {}).get("reasoning") or ""
+            content += d.content or ""
+    assert [(t.id, t.function.name, t.function.arguments) for t in calls] == \
+        [(call.id, call.function.name, call.function.arguments)]
+    assert (reasoning, content) == ("look it up", "Checking.")
+    # round trip: the assistant turn re-renders to exactly the text the model produced
+    assistant = {"role": "assistant", "content": msg.content, "reasoning_content": "look it up",
+                 "tool_calls": [call.model_dump()]}
+    assert ChatFormat(tokenizer).message_text(assistant) == ("assistant", REPLY)
+    follow = c.chat.completions.create(model="scripted", temperature=0, tools=TOOLS, messages=messages + [
+        assistant, {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
+    assert follow.choices[0].message.tool_calls[0].function.name == "get_weather"
+    # without tools the tags stay text
+    plain = c.chat.completions.create(model="scripted", messages=messages, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
+    wait_idle(engine)
+
+
+# ---------------------------------------------------------------------- errors
+def test_api_key(scripted):
+    server, _ = scripted
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "wrong").models.list()
+    r = httpx.get(server.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+BAD_BODIES = [
+    b"{not json", b"", b"[]", b'"text"', b"null",
+    {"model": "scripted"},  # no messages
+    {"model": "scripted", "messages": []},
+    {"model": "scripted", "messages": "hello"},
+    {"model": "scripted", "messages": [{"role": "wizard", "content": "hi"}]},
+    {"model": "scripted", "messages": [{"role": "user"}]},
+    {"model": "scripted", "messages": [{"role": "user", "content": 5}]},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "temperature": 7},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "n": 3},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 9},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+    {"model": "scripted", "messages": [{"role": "tool", "content": "x"}]},
+    {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+    {"model": "scripted", "messages": [{"role": "user", "content": "x" * 5000}]},
+]
+
+
+@pytest.mark.parametrize("body", BAD_BODIES, ids=range(len(BAD_BODIES)))
+def test_bad_chat_bodies_get_openai_4xx(scripted, body):
+    server, _ = scripted
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                                 "Content-Type": "application/json"}, **kw)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_bad_completion_bodies(scripted):
+    server, _ = scripted
+    h = {"Authorization": f"Bearer {KEY}"}
+    for body in ({"model": "scripted"}, {"model": "scripted", "prompt": ""}, {"model": "scripted", "prompt": [10**9]},
+                 {"model": "scripted", "prompt": "hi", "echo": True}, {"model": "scripted", "prompt": ["a", "b"]},
+                 {"model": "scripted", "prompt": "hi", "logprobs": 9}):
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=h)
+        assert r.status_code == 400, (body, r.text)
+    assert httpx.get(server.url + "/v1/nothing", headers=h).status_code == 404
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                       max_size=3), max_leaves=6)
+FIELDS = ["model", "messages", "max_tokens", "temperature", "top_p", "stop", "stream", "seed", "tools",
+          "tool_choice", "logprobs", "top_logprobs", "n", "reasoning_effort", "stream_options", "prompt"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), field=st.sampled_from(FIELDS),
+       value=json_values)
+def test_fuzzed_fields_never_5xx(scripted, path, field, value):
+    server, _ = scripted
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "max_tokens": 3}
+    body[field] = value
+    r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_client_disconnect_cancels_and_frees_pages(tiny):
+    server, engine = tiny
+    body = {"model": "k3-tiny", "prompt": "The quick brown fox", "max_tokens": 400, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one token arrived; hang up
+    wait_idle(engine)
+    assert engine.cache.pool.num_used == 0
+    # non-streaming: the request is aborted when the client times out and disconnects
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    wait_idle(engine)
+
+
+def test_k3_serve_cli_end_to_end(tmp_path, tokenizer):
+    """`k3 serve --run DIR` as a real process, on a run folder laid out like `k3 train` writes it."""
+    import socket
+    import subprocess
+    import sys
+
+    from k3.checkpoint.official import save_pretrained
+    from k3.text.tokenizer import save_tokenizer
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size()))
+    step = tmp_path / "run" / "checkpoints" / "step_0000007"
+    save_pretrained(model, step)
+    save_tokenizer(tokenizer, step)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--run", str(tmp_path / "run"), "--port", str(port),
+                             "--api-key", KEY, "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "k3 serve did not come up"
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == ["run"]
+        out = c.chat.completions.create(model="run", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert out.usage.completion_tokens <= 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------- failures
+@pytest.fixture
+def flaky(tokenizer):
+    """The scripted model behind a server whose forward raises while `fail["n"]` > 0 (or forever at -1)."""
+    chat = ChatFormat(tokenizer)
+    script = tokenizer.encode(REPLY, add_special_tokens=False).ids
+    model = ScriptedModel(tokenizer.get_vocab_size(), chat.sep, script, chat.close)
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512, max_num_seqs=8))
+    fail = {"n": 0}
+    execute = engine.runner.execute
+
+    def flaky_execute(out, params):
+        if fail["n"] and out.requests:
+            fail["n"] -= fail["n"] > 0
+            raise RuntimeError("boom")
+        return execute(out, params)
+
+    engine.runner.execute = flaky_execute
+    async_engine = AsyncEngine(engine, tokenizer)
+    with ServerThread(build_app(async_engine, tokenizer, model_name="scripted")) as server:
+        yield server, engine, async_engine, fail
+
+
+def _openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_failed_step_fails_its_requests_only_then_503_when_broken(flaky):
+    server, engine, async_engine, fail = flaky
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    url = server.url + "/v1/chat/completions"
+    fail["n"] = 1
+    assert _openai_error(httpx.post(url, json=body, timeout=60), 500)["type"] == "server_error"
+    wait_idle(engine)
+    assert engine.cache.pool.num_used == 0 and async_engine.error is None and not async_engine._queues
+    assert httpx.post(url, json=body, timeout=60).status_code == 200  # the loop kept running
+    fail["n"] = 1  # streaming: the status line is out, so the error comes as an SSE event, then [DONE]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(lines[-2][6:])["error"]["type"] == "server_error" and lines[-1] == "data: [DONE]"
+    wait_idle(engine)
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.post(url, json=body, timeout=60).status_code == 200  # a good step resets the failure count
+    fail["n"] = -1  # a broken model: after a few failed steps in a row the engine stops
+    for _ in range(AsyncEngine.max_consecutive_step_failures):
+        _openai_error(httpx.post(url, json=body, timeout=60), 500)
+    assert async_engine.error is not None
+    assert _openai_error(httpx.post(url, json=body, timeout=60), 503)["code"] == "engine_unavailable"
+    assert httpx.get(server.url + "/health").status_code == 503
+    assert engine.cache.pool.num_used == 0
+
+
+def test_stream_abandoned_before_its_body_runs_is_aborted(tokenizer):
+    """The client is gone before the SSE generator is first iterated: the request is still aborted."""
+    import asyncio
+
+    model = ScriptedModel(tokenizer.get_vocab_size(), 0, [5] * 8, 6)
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512))
+    async_engine = AsyncEngine(engine, tokenizer)  # not started: nothing steps behind our back
+    app = build_app(async_engine, tokenizer, model_name="m")
+    body = json.dumps({"model": "m", "prompt": "The quick brown fox", "max_tokens": 300, "stream": True,
+                       "ignore_eos": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"t")], "scheme": "http",
+             "server": ("t", 80), "client": ("c", 1)}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("client gone")
+
+    async def main():
+        try:
+            await app(scope, receive, send)
+        except Exception:
+            pass
+
+    asyncio.run(main())
+    assert not async_engine._queues and len(engine._aborts) == 1
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.cache.pool.num_used == 0 and not engine.scheduler.requests
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_cli_bad_model_is_one_line_exit_2(tmp_path, capsys, command):
+    import argparse
+    import importlib
+
+    mod = importlib.import_module("k3.serve.cli" if command == "serve" else "k3.serve.chat_cli")
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    for argv in (["--model", str(tmp_path / "nope")], ["--run", str(tmp_path)]):
+        assert mod.run(p.parse_args(argv)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"k3 {command}: error: ") and "\n" not in err, err
