@@ -2,7 +2,7 @@
 every GPU bench uses (/work/.library/device/METHOD.md: datasheet rates are leads; measure a large
 bf16 matrix product and a large device-to-device copy on random data, median of repeats).
 
-    python bench/ceilings.py [--smoke]
+    python -m bench.ceilings [--smoke]
 
 - bf16 matmul TFLOP/s: 2 n^3 / t for an n x n x n product (n = 8192 on GPU);
 - copy GB/s: (bytes read + bytes written) / t for one large device-to-device copy (2 GiB on GPU).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 
 import torch
 import torch.utils.benchmark as torch_benchmark
@@ -70,10 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     c = measure(device, args.smoke)
-    print(f"device {device}: bf16 matmul {c['matmul_bf16_tflops']:.1f} TFLOP/s (n={c['matmul_n']}), "
-          f"copy {c['copy_gbps']:.1f} GB/s (read+write, {c['copy_bytes'] >> 20} MiB)")
+    print(table(c, torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))
     return 0
 
 
+def table(c: dict, device_name: str) -> str:
+    return "\n".join([
+        f"| ceiling on {device_name} | measured | H200 datasheet |", "|---|---|---|",
+        f"| bf16 matmul, n={c['matmul_n']} (TFLOP/s) | {c['matmul_bf16_tflops']:.1f} "
+        f"| {c['datasheet_bf16_tflops']:.0f} |",
+        f"| device copy, {c['copy_bytes'] >> 20} MiB, read+write (GB/s) | {c['copy_gbps']:.1f} "
+        f"| {c['datasheet_hbm_gbps']:.0f} |"])
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

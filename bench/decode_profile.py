@@ -1,28 +1,25 @@
 """Where a decode step's time goes: torch.profiler over a few k3-1b decode steps on one GPU.
 
-    python bench/decode_profile.py [--batch 1] [--context 1024] [--variant hybrid|all-MLA]
-                                   [--modes eager,graph,graph+compile]
+    python -m bench.decode_profile [--batch 1] [--context 1024] [--variant hybrid|all-MLA]
+                                     [--modes eager,graph,graph+compile]
 
 Profiles eager steps (host launch overhead visible as the gap between CPU and CUDA totals),
 CUDA-graph replays (GPU time only) and replays of the model with its regions compiled
-(k3.regional_compile, as bench/gpu_bench.py's "graph+compile" rows), and prints the kernels
-by CUDA time, a short table last.
+(k3.regional_compile, as bench.gpu_bench's "graph+compile" rows), and prints the kernels
+by CUDA time, a short table last. CUDA only.
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kernel_profile import print_kernel_tables  # noqa: E402
-from bench.gpu_bench import all_mla, decode_step, random_cache  # noqa: E402
-from k3.config import load_config  # noqa: E402
-from k3.regional_compile import compile_regions  # noqa: E402
-from k3.model.transformer import K3ForCausalLM  # noqa: E402
+from bench.gpu_bench import all_mla, decode_step, random_cache
+from bench.kernel_profile import print_kernel_tables
+from k3.config import load_config
+from k3.model.transformer import K3ForCausalLM
+from k3.regional_compile import compile_regions
 
 MODES = ("eager", "graph", "graph+compile")  # in this order: the last compiles the model in place
 
@@ -36,6 +33,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--modes", default=",".join(MODES))
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_profile: error: needs CUDA")
     device = torch.device("cuda")
     cfg = load_config("k3-1b").replace(mla_impl="absorb")
     cfg = all_mla(cfg) if args.variant == "all-MLA" else cfg
@@ -59,6 +58,7 @@ def main() -> None:
                 tokens.copy_(step(tokens).argmax(-1, keepdim=True))
             torch.cuda.synchronize()
         print_kernel_tables(prof, args.steps, f"{mode}: {args.variant} B{args.batch} ctx{args.context}")
+
 
 if __name__ == "__main__":
     main()

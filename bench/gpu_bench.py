@@ -1,6 +1,7 @@
-"""GPU benchmarks of issue #5: what k3 does with one H200, against the ceilings measured in the same run.
+"""GPU benchmarks: what k3 does with one H200, against the ceilings measured in the same run.
 
-    python bench/gpu_bench.py [--smoke] [--only train,kda,decode,moe,serve]
+    python -m bench.gpu_bench [--only train,kda,decode,moe,serve] [--seconds 500] [--jsonl FILE]
+    python -m bench.gpu_bench --smoke          # every code path on CPU at tiny sizes
 
 - train:  one training step of k3-1b at 4096 tokens per sequence (bf16 autocast, fp32 weights,
           fused AdamW), tokens/s and MFU against the measured bf16 matmul rate and the 989 TFLOP/s
@@ -26,8 +27,11 @@
 - moe:    the routed-expert bank, grouped_mm vs the per-expert loop, fwd+bwd at training size and
           forward at decode size.
 - serve:  the k3 serving engine vs HF transformers `generate` on the same Kimi-Linear weights
-          (bench/serve.py at GPU size).
-Each size runs only while the section's deadline allows; what is skipped is recorded as skipped.
+          (bench.serve at GPU size).
+Each size runs only while `--seconds` allows (the device tool stops a command at 10 minutes);
+what is skipped is recorded as skipped. Each result is printed as a line when it is measured (and
+appended to `--jsonl` FILE, so a run stopped early keeps what it had); the tables come last.
+Correctness of these paths is tested, not measured here: `python -m pytest -m gpu`.
 """
 from __future__ import annotations
 
@@ -35,8 +39,8 @@ import argparse
 import contextlib
 import copy
 import gc
+import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,21 +49,22 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.ceilings import H200_BF16_DENSE_TFLOPS, measure, median_ms  # noqa: E402
-from bench.gpu_checks import per_expert_loop  # noqa: E402
-from k3.config import K3Config, load_config  # noqa: E402
-from k3.train.balance import balance_step  # noqa: E402
-from k3.model.cache import K3Cache, KDAState, MLAState  # noqa: E402
-from k3.serve.decode_graph import CUDAGraphDecoder  # noqa: E402
-from k3.model.experts import RoutedExperts, grouped_mm_available  # noqa: E402
-from k3.model.kda import KimiDeltaAttention  # noqa: E402
-from k3.model.mla import GatedMLA  # noqa: E402
-from k3.model.params import count_parameters  # noqa: E402
-from k3.model.transformer import K3ForCausalLM  # noqa: E402
-from k3.ops import fla_kernels  # noqa: E402
-from k3.ops.kda import DecayGate, kda  # noqa: E402
-from k3.regional_compile import compile_regions  # noqa: E402
+from bench import ceilings as ceilings_module
+from bench.ceilings import H200_BF16_DENSE_TFLOPS, median_ms
+from bench.common import per_expert_loop
+from bench.serve_modes import K3_MODES, agreement_summary, mixed_line
+from k3.config import K3Config, load_config
+from k3.model.cache import K3Cache, KDAState, MLAState
+from k3.model.experts import RoutedExperts, grouped_mm_available
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+from k3.model.params import count_parameters
+from k3.model.transformer import K3ForCausalLM
+from k3.ops import fla_kernels
+from k3.ops.kda import DecayGate, kda
+from k3.regional_compile import compile_regions
+from k3.serve.decode_graph import CUDAGraphDecoder
+from k3.train.balance import balance_step
 
 Record = Callable[[dict], None]
 GB = 1e9
@@ -108,12 +113,8 @@ def train_flops_per_token(cfg: K3Config, T: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- (1) training step
-def bench_train(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
-    # If checks:moe saw grouped_mm fail (e.g. a device-side assert in its backward), train on the loop.
-    forced_loop = not known.get("grouped_mm_ok", True)
-    with per_expert_loop() if forced_loop else contextlib.nullcontext():
-        _train(device, smoke, known, record, deadline,
-               "bf16 autocast, fp32 weights, fused AdamW" + ("; per-expert loop forced" if forced_loop else ""))
+def bench_train(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
+    _train(device, smoke, ceilings, record, deadline, "bf16 autocast, fp32 weights, fused AdamW")
 
 
 def training_step(cfg: K3Config, device: torch.device):
@@ -134,7 +135,7 @@ def training_step(cfg: K3Config, device: torch.device):
     return model, opt, step
 
 
-def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float, note: str) -> None:
+def _train(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float, note: str) -> None:
     cfg = load_config("k3-tiny" if smoke else "k3-1b")
     T = 64 if smoke else 4096
     model, opt, step = training_step(cfg, device)
@@ -171,7 +172,7 @@ def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadl
         try:
             ids = batch(B)
             _free(device)
-            step(ids)  # the first step at a size JIT-compiles kernels for its shapes (28 s at B8 on 2026-12-03)
+            step(ids)  # the first step at a size JIT-compiles kernels for its shapes (tens of seconds)
             break
         except torch.cuda.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
@@ -199,7 +200,7 @@ def _train(device: torch.device, smoke: bool, known: dict, record: Record, deadl
         achieved = tokens_per_s * flops["total"] / 1e12
         _say(record, {"kind": "bench", "bench": "train", "name": name,
                       "status": "ok", "ms_per_step": ms, "tokens_per_s": tokens_per_s, "tflops": achieved,
-                      "mfu_measured_ceiling": achieved / known["matmul_bf16_tflops"],
+                      "mfu_measured_ceiling": achieved / ceilings["matmul_bf16_tflops"],
                       "mfu_datasheet": achieved / H200_BF16_DENSE_TFLOPS, "peak_mem_gb": peak,
                       "flops_per_token": flops, "note": note + detail})
 
@@ -289,7 +290,7 @@ def kda_cases(cfg: K3Config, T: int, device: torch.device, fla: bool) -> list[Ca
         return [torch.randn(1, H, T, K, device=device, dtype=bf16, requires_grad=True) for _ in range(3)]
 
     kda_flops = T * kda_flops_per_token(cfg)
-    # Whole layers first (the issue's comparison: ours vs fla's layer), then the bare ops.
+    # Whole layers first (the comparison that matters: ours vs fla's layer), then the bare ops.
     cases = [Case(f"k3 KimiDeltaAttention layer [{impl}]",
                   lambda: layer_fwd_bwd(KimiDeltaAttention(cfg, 0).to(device, bf16), x()), 0.0, False)]
     if fla:
@@ -329,7 +330,7 @@ def sdpa_backends_for_mla(cfg: K3Config, device: torch.device, record: Record) -
                   "status": "ok", "usable": ",".join(usable) or "none (math fallback)"})
 
 
-def bench_kda(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
+def bench_kda(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
     cfg = load_config("k3-tiny" if smoke else "k3-1b")
     fla = device.type == "cuda" and fla_kernels.available()
     if device.type == "cuda":
@@ -375,7 +376,7 @@ def bench_kda(device: torch.device, smoke: bool, known: dict, record: Record, de
             _say(record, {"kind": "bench", "bench": "kda", "name": f"ratio to SDPA causal T{T}", "status": "ok",
                           **{n: ms / sdpa for n, ms in by_case.items() if not n.startswith("SDPA")}})
         fla_layer = by_case.get("fla.layers.KimiDeltaAttention layer")
-        if fla_layer:  # the issue's target: our layer at least as fast as fla's (ratio >= 1)
+        if fla_layer:  # the target: our layer at least as fast as fla's (ratio >= 1)
             _say(record, {"kind": "bench", "bench": "kda", "name": f"speed vs fla's layer (fla ms / ours) T{T}",
                           "status": "ok", **{n: fla_layer / ms for n, ms in by_case.items()
                                              if n.startswith("k3 KimiDeltaAttention layer")}})
@@ -436,7 +437,7 @@ def decode_step_bytes(model: K3ForCausalLM, batch: int, context: int) -> dict:
 DECODE_STEPS_PER_CALL = 32  # timed back to back, then the cache lengths are reset to the context
 
 
-def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
+def bench_decode(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
     base = load_config("k3-tiny" if smoke else "k3-1b").replace(mla_impl="absorb")
     dtype = torch.bfloat16
     batches, contexts = ((1, 2), (16, 64)) if smoke else ((1, 8, 64), (1024, 8192, 32768, 131072))
@@ -474,7 +475,7 @@ def bench_decode(device: torch.device, smoke: bool, known: dict, record: Record,
         last_step_s = max(last_step_s, ms / 1e3) if graphed else last_step_s
         # the timed steps see contexts context .. context + steps: count the middle one
         moved = decode_step_bytes(model, batch, context + DECODE_STEPS_PER_CALL // 2)
-        bound_ms = moved["total"] / (known["copy_gbps"] * GB) * 1e3
+        bound_ms = moved["total"] / (ceilings["copy_gbps"] * GB) * 1e3
         _say(record, {"kind": "bench", "bench": "decode", "name": name, "status": "ok", "variant": variant,
                       "mode": mode, "batch": batch, "context": context, "ms_per_step": ms,
                       "tokens_per_s": batch / (ms / 1e3), "bound_ms": bound_ms,
@@ -540,7 +541,7 @@ def _decode_ms(model: K3ForCausalLM, batch: int, context: int, device, dtype, sm
 
 
 # ----------------------------------------------------------------------------- (4) routed experts
-def bench_moe(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
+def bench_moe(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
     cfg = load_config("k3-tiny" if smoke else "k3-1b")
     bank = RoutedExperts(cfg, cfg.moe_hidden_size, cfg.moe_intermediate_size)
     bank.reset_parameters()
@@ -560,9 +561,6 @@ def bench_moe(device: torch.device, smoke: bool, known: dict, record: Record, de
         chosen = "grouped_mm" if grouped_mm_available(x) else "per-expert loop"
         for label, forced in ((f"dispatch: {chosen}", False), ("forced per-expert loop", True)):
             name = f"experts {'fwd+bwd' if backward else 'fwd'} N{tokens} k{k} E{cfg.num_experts} [{label}]"
-            if not forced and backward and chosen == "grouped_mm" and not known.get("grouped_mm_ok", True):
-                _skip(record, "moe", name, "grouped_mm failed in checks:moe")
-                continue
             if time.monotonic() + 10 > deadline:
                 _skip(record, "moe", name, "time budget")
                 continue
@@ -573,8 +571,8 @@ def bench_moe(device: torch.device, smoke: bool, known: dict, record: Record, de
 
 
 # ----------------------------------------------------------------------------- (5) serving engine vs HF
-def bench_serve(device: torch.device, smoke: bool, known: dict, record: Record, deadline: float) -> None:
-    """bench/serve.py's comparison at GPU size: the k3 engine vs HF `generate` on the same random
+def bench_serve(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
+    """bench.serve's comparison at GPU size: the k3 engine vs HF `generate` on the same random
     Kimi-Linear weights, bf16, after a warm-up run of each."""
     from bench.serve import run
 
@@ -594,18 +592,94 @@ def bench_serve(device: torch.device, smoke: bool, known: dict, record: Record, 
 BENCHES = {"train": bench_train, "kda": bench_kda, "decode": bench_decode, "moe": bench_moe, "serve": bench_serve}
 
 
+# ----------------------------------------------------------------------------- the tables printed last
+def _fmt(x, spec: str = ".3g") -> str:
+    if isinstance(x, int) and not isinstance(x, bool):
+        return str(x)  # batch sizes, contexts: exact
+    return format(x, spec) if isinstance(x, float) else str(x if x is not None else "")
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows])
+
+
+def tables(entries: list[dict]) -> list[str]:
+    """One table per bench that has results, then a table of what was skipped or failed."""
+    ok = {b: [e for e in entries if e.get("bench") == b and e.get("status") == "ok"] for b in BENCHES}
+    out = []
+    if ok["train"]:
+        out += ["### Training step (bf16 autocast, AdamW)", _table(
+            ["config", "ms/step", "tokens/s", "TFLOP/s", "MFU (measured ceiling)", "MFU (989 datasheet)", "peak GB",
+             "note"],
+            [[e["name"], e["ms_per_step"], e["tokens_per_s"], e["tflops"], f"{e['mfu_measured_ceiling']:.1%}",
+              f"{e['mfu_datasheet']:.1%}", e.get("peak_mem_gb"), e.get("note", "")] for e in ok["train"]])]
+    if timed := [e for e in ok["kda"] if "ms_fwd_bwd" in e]:
+        out += ["### KDA vs attention, one layer / op, fwd+bwd, bf16, batch 1",
+                _table(["case", "ms", "TFLOP/s"], [[e["name"], e["ms_fwd_bwd"], e.get("tflops", "")] for e in timed])]
+        ratios = [f"{e['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in e.items() if isinstance(v, float))
+                  for e in ok["kda"] if e["name"].startswith(("ratio", "speed"))]
+        out.append("\n".join(ratios + [f"{e['name']}: {e['usable']}" for e in ok["kda"] if "usable" in e]))
+    if dec := ok["decode"]:
+        # the hybrid's advantage: its tokens/s over the all-MLA variant's, same batch, context, mode
+        mla = {(e["batch"], e["context"], e["mode"]): e["tokens_per_s"] for e in dec if e["variant"] == "all-MLA"}
+        out += ["### Decode (bf16, absorbed MLA, one token per sequence per step)", _table(
+            ["variant", "mode", "batch", "context", "ms/step", "tokens/s", "bandwidth-bound tokens/s",
+             "fraction of bound", "hybrid / all-MLA"],
+            [[e["variant"], e["mode"], e["batch"], e["context"], e["ms_per_step"], e["tokens_per_s"],
+              e["bound_tokens_per_s"], f"{e['fraction_of_bound']:.1%}",
+              f"{e['tokens_per_s'] / mla[key]:.2f}x" if e["variant"] == "hybrid" and (
+                  key := (e["batch"], e["context"], e["mode"])) in mla else ""] for e in dec])]
+    if serve := [e for e in ok["serve"] if e["workload"] == "uniform"]:
+        rows = [[e["name"], e["dtype"], f"k3 engine, {label}", e["hf_tokens_per_s"], e[f"k3_{mode}_tokens_per_s"],
+                 f"{e[f'k3_{mode}_throughput_ratio']:.2f}x", e["hf_ttft_s"], e[f"k3_{mode}_ttft_s"],
+                 f"{e[f'k3_{mode}_agreement_with_hf']:.1%}"]
+                for e in serve for mode, (label, _, _) in K3_MODES.items() if f"k3_{mode}_tokens_per_s" in e]
+        out += ["### Serving engine vs HF transformers generate (greedy, same weights)", _table(
+            ["workload", "dtype", "engine", "HF tokens/s", "k3 tokens/s", "k3 / HF", "HF TTFT s", "k3 TTFT s",
+             "greedy agreement with HF"], rows)]
+        out.append("\n".join([f"{e['name']}: prefill logits vs HF fp32 (same device): HF {e['dtype']} "
+                              f"{e['hf_prefill_rel_err']:.2e}, k3 {e['dtype']} {e['k3_prefill_rel_err']:.2e}"
+                              + agreement_summary(e) for e in serve]
+                             + [mixed_line(e) for e in ok["serve"] if e["workload"] == "mixed"]))
+    if ok["moe"]:
+        out += ["### Routed experts (bf16)",
+                _table(["case", "ms", "TFLOP/s"], [[e["name"], e["ms"], e["tflops"]] for e in ok["moe"]])]
+    if not_done := [e for e in entries if e.get("status") != "ok"]:
+        out += ["### Not measured", _table(["bench", "name", "status", "note"],
+                                           [[e["bench"], e["name"], e["status"], e.get("note", "")] for e in not_done])]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
+    parser.add_argument("--seconds", type=float, default=math.inf,
+                        help="wall-clock budget from the start: sizes that would not finish inside it are skipped")
+    parser.add_argument("--jsonl", type=Path, help="append every result to this file as a JSON line, as it comes")
     args = parser.parse_args(argv)
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
+    if unknown := [name for name in only if name not in BENCHES]:
+        parser.error(f"--only: unknown {unknown}; choose from {', '.join(BENCHES)}")
+    deadline = time.monotonic() + args.seconds
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    known = measure(device, args.smoke)
-    results: list[dict] = []
-    for name in args.only.split(","):
-        BENCHES[name](device, args.smoke, known, results.append, math.inf)
+    ceilings = ceilings_module.measure(device, args.smoke)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(ceilings_module.table(ceilings, device_name), flush=True)
+    entries: list[dict] = []
+
+    def record(entry: dict) -> None:
+        entries.append(entry)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(entry, default=str) + "\n")
+
+    for name in only:
+        BENCHES[name](device, args.smoke, ceilings, record, deadline)
+    print("\n\n".join(["", ceilings_module.table(ceilings, device_name), *tables(entries)]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

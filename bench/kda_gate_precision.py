@@ -1,31 +1,27 @@
-"""How precisely fla's bf16 KDA returns the gate parameters' gradients, seed by seed (issue #5).
+"""How precisely fla's bf16 KDA returns the gate parameters' gradients, seed by seed.
 
-    python bench/kda_gate_precision.py [--seeds 6] [--loss both|output|state]
+    python -m bench.kda_gate_precision [--seeds 6] [--loss both|output|state]
 
-bench/gpu_checks.py compares every gradient of the KDA op at one seed. There dA_log of Kimi
-Linear's softplus gate missed the 1e-2 bar (1.06e-2, run 11) while the per-token raw-gate gradient
-it is summed from was within 4e-3. This measures, at the checks' shapes (B 2, T 1000, 8 heads of
-128) and for both gate forms, over several seeds: the output, the raw-gate gradient, dA_log and
-dt_bias against the fp32 torch chunk path on the same values upcast; with the gate activated in
-fla's kernel (the layer's path) and by torch before fla (no in-kernel gate), so that an error in
-fla's gate kernel would show as a difference between the two. `--loss` picks what the gradients
-are of: the output and the final state together (as the checks), or either alone, to tell which
-path's error adds up in the sums. Each gate form's last rows pool the seeds: the same RMSE ratio over
-the 8 heads of every seed (tests/test_kda_fla.py bounds dA_log so). CUDA with fla only. Prints a table.
+A_log [H] and dt_bias [H*K] act on every token's gate, so their gradients are sums over tokens
+(and, for A_log, keys) of the per-token raw-gate gradient: terms of both signs that largely cancel,
+so their relative error can exceed the per-token one and swings with the seed. This measures, at
+B 2, T 1000, 8 heads of 128 and for both gate forms, over several seeds: the output, the raw-gate
+gradient, dA_log and ddt_bias against the fp32 torch chunk path on the same values upcast; with the
+gate activated in fla's kernel (the layer's path) and by torch before fla (no in-kernel gate), so
+that an error in fla's gate kernel would show as a difference between the two. `--loss` picks what
+the gradients are of: the output and the final state together, or either alone, to tell which
+path's error adds up in the sums. Each gate form's last rows pool the seeds: the same RMSE ratio
+over the 8 heads of every seed (tests/ops/test_kda_fla.py bounds dA_log so). CUDA with fla only.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from k3.ops.kda import DecayGate, activate_gate, kda  # noqa: E402
-from tests.conftest import rel_err  # noqa: E402
-from tests.test_kda_fla import gate_parameter_case, gated_kda_grads  # noqa: E402
+from bench.common import gated_kda_grads, kda_gate_case, rel_err
+from k3.ops.kda import DecayGate, activate_gate, kda
 
 LOSSES = {"both": (1.0, 1.0), "output": (1.0, 0.0), "state": (0.0, 1.0)}  # weights of the o and final-state terms
 QUANTITIES = ("o", "draw gate", "dA_log", "ddt_bias")
@@ -44,7 +40,7 @@ PATHS = {"fla, gate in-kernel": partial(gated_kda_grads, "fla"), "fla, gate by t
 def measure(form: str, seed: int, loss: str, paths=tuple(PATHS)) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
     """For each of `paths`, (reference, fla) pairs of o, the raw-gate gradient, dA_log and ddt_bias,
     on the CPU, against the fp32 torch chunk path on the same values upcast."""
-    ref, out, lower_bound, do, ds = gate_parameter_case(form, seed)
+    ref, out, lower_bound, do, ds = kda_gate_case(form, seed)
     weights = LOSSES[loss]
     results = {path: PATHS[path]([t.detach().clone().requires_grad_() for t in out], lower_bound, do, ds, weights)
                for path in paths}
@@ -53,14 +49,18 @@ def measure(form: str, seed: int, loss: str, paths=tuple(PATHS)) -> dict[str, li
     return {path: [(expected[i].float().cpu(), got[i].float().cpu()) for i in picks] for path, got in results.items()}
 
 
+def row(form: str, seed: str, path: str, errs: list[float]) -> str:
+    return f"{form:9} {seed:>6} {path:20} " + " ".join(f"{e:9.2e}" for e in errs) + f" {errs[2] / errs[1]:11.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--loss", choices=tuple(LOSSES), default="both", help="what the gradients are of")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA and fla-core with triton")
-    print(f"gradients of: {args.loss} (--loss)")
+        raise SystemExit("kda_gate_precision: error: needs CUDA and fla-core with triton")
+    print(f"gradients of: {args.loss} (--loss); rel = RMSE(ref - fla) / RMSE(ref)")
     print(f"{'gate':9} {'seed':>6} {'path':20} " + " ".join(f"{q:>9}" for q in QUANTITIES) + f" {'dA_log/draw':>11}")
     for form in ("softplus", "lb"):
         pairs: dict[str, list] = {}
@@ -72,10 +72,6 @@ def main() -> None:
             pooled = [rel_err(torch.cat([p[i][0].flatten() for p in per_seed]),
                               torch.cat([p[i][1].flatten() for p in per_seed])) for i in range(len(QUANTITIES))]
             print(row(form, "pooled", path, pooled))
-
-
-def row(form: str, seed: str, path: str, errs: list[float]) -> str:
-    return f"{form:9} {seed:>6} {path:20} " + " ".join(f"{e:9.2e}" for e in errs) + f" {errs[2] / errs[1]:11.2f}"
 
 
 if __name__ == "__main__":

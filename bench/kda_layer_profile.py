@@ -1,9 +1,9 @@
-"""Where our KDA layer's fwd+bwd time goes against fla's own layer, kernel by kernel (issue #5's
-"our KDA layer >= 1.0x fla's" target: 0.90x at 64K tokens in run 9).
+"""Where our KDA layer's fwd+bwd time goes against fla's own layer, kernel by kernel (the target:
+our layer at least as fast as fla's).
 
-    python bench/kda_layer_profile.py [--tokens 65536] [--steps 3]
+    python -m bench.kda_layer_profile [--tokens 65536] [--steps 3]
 
-Both layers as bench/gpu_bench.py's bench:kda builds them (k3-1b heads and dims, bf16 weights and
+Both layers as bench.gpu_bench's kda bench builds them (k3-1b heads and dims, bf16 weights and
 input, batch 1, K3's bounded gate); each is warmed up, then a few fwd+bwd steps run under
 torch.profiler. Prints each layer's kernel tables and aten-op table, then a short table last: GPU
 time per step by kind of kernel, side by side. CUDA with fla only.
@@ -11,17 +11,14 @@ time per step by kind of kernel, side by side. CUDA with fla only.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gpu_bench import fla_kda_layer, layer_fwd_bwd  # noqa: E402
-from bench.kernel_profile import print_kernel_tables, print_op_table  # noqa: E402
-from k3.config import load_config  # noqa: E402
-from k3.model.kda import KimiDeltaAttention  # noqa: E402
+from bench.gpu_bench import fla_kda_layer, layer_fwd_bwd
+from bench.kernel_profile import print_kernel_tables, print_op_table
+from k3.config import load_config
+from k3.model.kda import KimiDeltaAttention
 
 
 def main() -> None:
@@ -30,7 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA and fla-core with triton")
+        raise SystemExit("kda_layer_profile: error: needs CUDA and fla-core with triton")
     device, bf16 = torch.device("cuda"), torch.bfloat16
     cfg = load_config("k3-1b")
     layers = {"k3": KimiDeltaAttention(cfg, 0), "fla": fla_kda_layer(cfg)}

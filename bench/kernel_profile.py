@@ -1,6 +1,7 @@
-"""The tables bench/train_profile.py and bench/decode_profile.py print from a torch.profiler run:
-GPU time per kernel, per kind of kernel (which part of the model a kernel serves), and per aten op
-and input shapes (which tensors the time goes to; needs `record_shapes=True`)."""
+"""The tables the profiling scripts (bench.train_profile, bench.decode_profile,
+bench.kda_layer_profile, bench.serve --profile) print from a torch.profiler run: GPU time per
+kernel, per kind of kernel (which part of the model a kernel serves), and per aten op and input
+shapes (which tensors the time goes to; needs `record_shapes=True`). A helper module, no script."""
 from __future__ import annotations
 
 from collections import defaultdict

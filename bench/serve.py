@@ -1,8 +1,8 @@
 """Throughput and time-to-first-token of the k3 engine vs HF transformers `generate`, on the same
 random Kimi-Linear-config weights (written by transformers, loaded by k3).
 
-    python bench/serve.py [--size tiny|gpu] [--device cpu|cuda] [--prompts 16 --prompt-len 64
-                          --new-tokens 32] [--record docs/BENCHMARKS.md]
+    python -m bench.serve [--size tiny|gpu] [--device cpu|cuda] [--prompts 16 --prompt-len 64
+                          --new-tokens 32] [--mixed N] [--modes graphs,eager]
 
 Both run greedy with the same batch, in the same dtype (fp32 on CPU, bf16 on CUDA), after one
 untimed warm-up run of the same work (kernel compilation and autotuning are not measured); HF's
@@ -15,29 +15,26 @@ CUDA graphs (its default), the same with each layer's norms, mixer, FFN and Attn
 
 Correctness alongside: the prefill logits of HF and of k3 in the bench dtype, each against HF's
 fp32 forward on the same device (the reference implementation). Prints a short table last.
+`--mixed N` then runs N requests of mixed lengths, HF in static batches against continuous batching.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import platform
-import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.serve_modes import K3_MODES, agreement_summary, mixed_line, steps_line  # noqa: E402
-from k3.checkpoint.official import load_pretrained  # noqa: E402
-from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
-from k3.serve.sampling import SamplingParams  # noqa: E402
-from tests.conftest import rel_err  # noqa: E402
+from bench.common import rel_err
+from bench.serve_modes import K3_MODES, agreement_summary, mixed_line, steps_line
+from k3.checkpoint.official import load_pretrained
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.sampling import SamplingParams
 
 # Kimi-Linear configs: "tiny" is about k3-tiny (8 layers, MLA at 4 and 8); "gpu" is k3-1b-like
 # (12 layers of width 1024, 8 KDA heads of 128, MLA at 4, 8, 12 with the official 512/64 latent
@@ -332,7 +329,6 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the mixed workload, run its engine once more under torch.profiler and print where time goes")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--record", type=Path, default=None, help="append the result to this markdown file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -345,7 +341,6 @@ def main() -> None:
     r = results["uniform"]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
-    cmd = "python bench/serve.py " + " ".join(sys.argv[1:])
     table = ["| engine | tokens/s | TTFT (s) | vs HF | greedy agreement with HF |", "|---|---|---|---|---|",
              f"| HF transformers generate | {r['hf_tokens_per_s']:.1f} | {r['hf_ttft_s']:.3f} | 1.00x | |"]
     for mode, (label, _, _) in K3_MODES.items():
@@ -358,14 +353,9 @@ def main() -> None:
     summary += agreement_summary(r)
     if "mixed" in results:
         summary += "\n" + mixed_line(results["mixed"])
-    if args.record:
-        with open(args.record, "a") as f:
-            f.write(f"\n## serve: k3 engine vs HF generate ({datetime.date.today()})\n\n"
-                    f"`{cmd}` on {where}; {args.prompts} prompts x {args.prompt_len} tokens, "
-                    f"{args.new_tokens} new tokens each, greedy, {r['dtype']}, Kimi-Linear config '{args.size}', "
-                    f"torch {torch.__version__}, transformers {transformers.__version__}.\n\n"
-                    + "\n".join(table) + f"\n\n{summary}\n")
-    print(f"{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens, {where}")
+    print(f"{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens, {where}, "
+          f"{r['dtype']}, Kimi-Linear config '{args.size}', torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
     print(summary)
     print("\n".join(table))
 

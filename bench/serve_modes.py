@@ -1,6 +1,6 @@
-"""The k3 engine configurations bench/serve.py runs, as its tables label them, and the sentences
-its results are reported in. Torch-free, so bench/gpu_run.py's report can import it without
-loading the benchmark."""
+"""The k3 engine configurations bench.serve runs, as its tables label them, and the sentences its
+results are reported in (bench.serve, bench.gpu_bench's serve table, bench.engine_host_profile).
+Torch-free: a table can be rendered without loading the benchmark."""
 from __future__ import annotations
 
 # mode -> (label, EngineConfig.cuda_graphs, EngineConfig.compile); on CPU only "eager" runs
@@ -18,7 +18,7 @@ def agreement_summary(result: dict) -> str:
 
 
 def mixed_line(m: dict) -> str:
-    """One sentence on the mixed workload's result (bench/gpu_run.py's report prints it too)."""
+    """One sentence on the mixed workload's result."""
     mode = m["mode"]
     return (f"mixed workload: {m['requests']} requests, prompts {m['prompt_lens'][0]}-{m['prompt_lens'][1]} tokens, "
             f"{m['new_tokens'][0]}-{m['new_tokens'][1]} new ({m['output_tokens']} in all), at most "

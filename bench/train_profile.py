@@ -1,26 +1,23 @@
 """Where a training step's time goes: torch.profiler over k3-1b training steps on one GPU.
 
-    python bench/train_profile.py [--batch 8] [--seq 4096] [--steps 2] [--compile]
+    python -m bench.train_profile [--batch 8] [--seq 4096] [--steps 2] [--compile]
 
-The step is the one bench/gpu_bench.py times (bf16 autocast over fp32 weights, fused AdamW). Prints
+The step is the one bench.gpu_bench times (bf16 autocast over fp32 weights, fused AdamW). Prints
 the aten ops (with input shapes) and kernels that take the most GPU time, then the GPU time by
-kind of kernel, a short table last.
+kind of kernel, a short table last. CUDA only.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gpu_bench import training_step  # noqa: E402
-from bench.kernel_profile import print_kernel_tables, print_op_table  # noqa: E402
-from k3.config import load_config  # noqa: E402
-from k3.regional_compile import compile_regions  # noqa: E402
+from bench.gpu_bench import training_step
+from bench.kernel_profile import print_kernel_tables, print_op_table
+from k3.config import load_config
+from k3.regional_compile import compile_regions
 
 
 def main() -> None:
@@ -30,6 +27,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="regional torch.compile, as `k3 train --compile`")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("train_profile: error: needs CUDA")
     device = torch.device("cuda")
     cfg = load_config("k3-1b")
     model, _, step = training_step(cfg, device)

@@ -1,16 +1,20 @@
-"""fla's Triton KDA kernels (CUDA only) against our chunk/recurrent paths: same contract, same
-numbers within kernel precision. Skipped where CUDA or fla+triton is missing (all CPU machines).
+"""fla's Triton kernels (KDA, the short conv, the output norm-gate; CUDA only) against our torch
+paths: same contract, same numbers within kernel precision; and the torch chunk path on CUDA in
+fp32. `-m gpu`; skipped where CUDA or fla+triton is missing (all CPU machines).
 
 fla's KDA kernels are checked as the product runs them: "auto" sends only half precision to fla
 (fp32 stays on the torch paths, k3.ops.kda), so q, k, v go in as bf16, beta too (the layer sends
 it in fp32; bf16 is the coarser of the two), the raw gate and the state in fp32, against the fp32
-torch reference on the same bf16-rounded values, to issue #5's bf16 bar. Heads of 128 as in k3-1b
-and the serving benches: the kernels compiled and autotuned here are those they use, not
-specializations nothing else runs."""
+torch reference on the same bf16-rounded values (so the error measures the kernel, not input
+rounding), within 1e-2; fp32 paths within 1e-4. Heads of 128 as in k3-1b and the serving benches:
+the kernels compiled and autotuned here are those they use, not specializations nothing else
+runs. Lengths include awkward ones: 1, 63, 64, 200, 672, 1000 (not a multiple of fla's 64-token
+chunk)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from k3.model.kda import KimiDeltaAttention
 from k3.ops import fla_kernels
@@ -18,11 +22,12 @@ from k3.ops.conv import causal_conv1d
 from k3.ops.kda import DecayGate, activate_gate, kda
 from k3.ops.norm_gate import rms_norm_gated
 from tests.helpers import assert_rel_close
+from tests.helpers.gpu import BF16_TOL, EXACT, FP32_TOL
 from tests.helpers.kda import clone_state, make_gate, make_inputs, make_layer, random_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fla_kernels.available(), reason="needs fla-core with triton")]
-BF16_TOL = 1e-2  # issue #5: bf16 paths within 1e-2 (RMSE ratio) of the fp32 reference
 H, K = 8, 128
+TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
 BF16_INPUTS = (0, 1, 2, 4)  # q, k, v, beta of (q, k, v, g, beta, h0): fla's activation dtype
 
 
@@ -67,21 +72,36 @@ def test_fla_chunk_matches_chunk_outputs_and_grads(B, T, gate):
     assert_close_all(["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], results["chunk"], results["fla"])
 
 
-def gated_kda_grads(impl: str, leaves: list[torch.Tensor], lower_bound: float | None, do, ds,
-                    weights: tuple[float, float] = (1.0, 1.0)):
+def gated_kda_grads(impl: str, leaves: list[torch.Tensor], lower_bound: float | None, do, ds, cu_seqlens=None):
     """kda as the layer calls it, leaves = q, k, v, raw gate, beta, h0, A_log, dt_bias (the gate
     activated by the op: in fla's kernels for impl "fla"): o, final state and the gradients of
-    every leaf, of weights[0] * <o, do> + weights[1] * <state, ds>."""
-    o, s = kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, impl=impl,
+    every leaf, of <o, do> + <state, ds>."""
+    o, s = kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu_seqlens, impl=impl,
                gate=DecayGate(*leaves[6:], lower_bound))
-    loss = weights[0] * (o.float() * do).sum() + weights[1] * (s * ds).sum()
-    return o, s, *torch.autograd.grad(loss, leaves)
+    return o, s, *torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), leaves)
+
+
+GATED_NAMES = ["o", "final state", "dq", "dk", "dv", "draw", "dbeta", "dh0", "dA_log", "ddt_bias"]
+
+
+def assert_gate_parameter_sums(raw: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                               draw: torch.Tensor, dA_log: torch.Tensor, ddt_bias: torch.Tensor):
+    """A_log and dt_bias act on every token's gate, so their gradients are sums over tokens of the
+    raw-gate gradient the path returned, times a known factor (z = raw + dt_bias; softplus gate:
+    dA_log = sum draw * softplus(z) / sigmoid(z); bounded gate: dA_log = sum draw * z; both:
+    ddt_bias = sum draw). Recomputed in fp64 from the path's own draw, they show whether the path
+    adds error when it reduces, apart from the error it already has per token."""
+    z = raw.detach().double() + dt_bias.detach().double().view(raw.shape[-2:])
+    draw = draw.detach().double()
+    factor = z if lower_bound is not None else F.softplus(z) / torch.sigmoid(z)
+    assert_rel_close("dA_log = fp64 sum of its own draw", (draw * factor).sum((0, 1, 3)), dA_log, FP32_TOL)
+    assert_rel_close("ddt_bias = fp64 sum of its own draw", draw.sum((0, 1)).flatten(), ddt_bias, FP32_TOL)
 
 
 def gate_parameter_case(form: str, seed: int, B: int = 2, T: int = 1000):
-    """One seed's inputs at bench/gpu_checks.py's shapes: (fp32 reference leaves, fla leaves) as
-    bf16_pair makes them from q, k, v, raw gate, beta, h0, A_log, dt_bias; the gate's lower bound;
-    random loss weights do [B, T, H, K] and ds [B, H, K, K]."""
+    """One seed's inputs: (fp32 reference leaves, fla leaves) as bf16_pair makes them from q, k,
+    v, raw gate, beta, h0, A_log, dt_bias; the gate's lower bound; random loss weights
+    do [B, T, H, K] and ds [B, H, K, K]."""
     torch.manual_seed(seed)
     q, k, v, _, beta, h0 = make_inputs(B, T, H, K, K, form)
     raw, gate = make_gate(B, T, H, K, form)
@@ -94,9 +114,9 @@ def gate_parameter_case(form: str, seed: int, B: int = 2, T: int = 1000):
 def test_fla_gate_parameter_gradient_over_seeds(form):
     """dA_log [H] sums the per-token gate gradient over every token and key of a head, terms of
     both signs that largely cancel, so one seed's RMSE ratio over 8 heads is a noisy statistic: the
-    softplus gate gave 2.6e-3 .. 1.2e-2 over seeds 0-7 (docs/BENCHMARKS.md, run 35), the spread
-    coming from the size of the exact sums. Pooling the heads of 8 seeds measures the same
-    ratio, RMSE(error) / RMSE(gradient), on 64 sums instead of 8."""
+    softplus gate's swings 5x over eight seeds (2.6e-3 .. 1.2e-2 on an H200, bench.kda_gate_precision),
+    the spread coming from the size of the exact sums. Pooling the heads of 8 seeds measures the
+    same ratio, RMSE(error) / RMSE(gradient), on 64 sums instead of 8."""
     refs, outs = [], []
     for seed in range(8):
         ref, out, lower_bound, do, ds = gate_parameter_case(form, seed)
@@ -105,28 +125,53 @@ def test_fla_gate_parameter_gradient_over_seeds(form):
     assert_rel_close("dA_log, 8 seeds pooled", torch.cat(refs), torch.cat(outs), BF16_TOL)
 
 
-@pytest.mark.parametrize("form", ["lb", "softplus"])
-def test_fla_in_kernel_gate_matches_torch_gate(form):
+GATED_CASES = [(2, 1000, "lb", None), (2, 1000, "softplus", None), (1, 1000, "lb", (1, 63, 64, 200, 672))]
+GATED_IDS = ["B2-T1000-lb", "B2-T1000-softplus", "packed-1-63-64-200-672-lb"]
+
+
+@pytest.mark.parametrize("B,T,form,lengths", GATED_CASES, ids=GATED_IDS)
+def test_fla_in_kernel_gate_matches_torch_gate(B, T, form, lengths):
     """The layer's CUDA path: raw gate projections activated inside fla's kernels (safe_gate for the
     bounded form) vs the torch chunk path activating them with `activate_gate`: outputs, state and
-    every gradient (A_log and dt_bias included); then the decode kernel vs the recurrence."""
+    every gradient (dA_log pooled over seeds in the test above); A_log's and dt_bias's gradients as
+    fp64 sums of fla's own raw-gate gradient; then the decode kernel vs the recurrence."""
     from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 
-    B, T = 2, 150
-    q, k, v, _, beta, h0 = make_inputs(B, T, H, K, K, "lb")
+    N = B if lengths is None else len(lengths)
+    cu = None if lengths is None else torch.tensor([0, *lengths], device="cuda").cumsum(0)
+    q, k, v, _, beta, h0 = make_inputs(B, T, H, K, K, "lb", N=N)
     raw, gate = make_gate(B, T, H, K, form)
     leaves = dict(zip(("chunk", "fla"), bf16_pair((q, k, v, raw, beta, h0, gate.A_log, gate.dt_bias))))
     ref = leaves["chunk"]
     oracle = (naive_kda_lowerbound_gate(ref[3], ref[6], ref[7], gate.lower_bound) if form == "lb"
               else naive_kda_gate(ref[3], ref[6], ref[7]))
-    assert_rel_close("gate formula vs fla's oracle", oracle, activate_gate(ref[3], DecayGate(*ref[6:], gate.lower_bound)), 1e-6)
-    do, ds = torch.randn(B, T, H, K, device="cuda"), torch.randn(B, H, K, K, device="cuda")
-    results = {impl: gated_kda_grads(impl, inputs, gate.lower_bound, do, ds) for impl, inputs in leaves.items()}
-    names = ["o", "final state", "dq", "dk", "dv", "draw", "dbeta", "dh0", "dA_log", "ddt_bias"]
-    kept = [n for n, name in enumerate(names) if name != "dA_log"]  # one seed's 8 sums: the test above
-    assert_close_all([names[n] for n in kept], [results["chunk"][n] for n in kept], [results["fla"][n] for n in kept])
+    ours = activate_gate(ref[3], DecayGate(*ref[6:], gate.lower_bound))
+    assert_rel_close("gate formula vs fla's oracle", oracle, ours, 1e-6)
+    do, ds = torch.randn(B, T, H, K, device="cuda"), torch.randn(N, H, K, K, device="cuda")
+    results = {impl: gated_kda_grads(impl, inputs, gate.lower_bound, do, ds, cu) for impl, inputs in leaves.items()}
+    kept = [n for n, name in enumerate(GATED_NAMES) if name != "dA_log"]  # one seed's 8 sums: the test above
+    assert_close_all([GATED_NAMES[n] for n in kept], [results["chunk"][n] for n in kept],
+                     [results["fla"][n] for n in kept])
+    fla, got = leaves["fla"], results["fla"]
+    assert_gate_parameter_sums(fla[3], fla[7], gate.lower_bound, got[5], got[8], got[9])
     decoded = decode_pair(*leaves.values(), lambda x: dict(gate=DecayGate(*x[6:], gate.lower_bound)))
     assert_close_all(["decode o", "decode state"], *decoded)  # with the gate in-kernel
+
+
+def test_auto_fp32_on_cuda_matches_recurrence(B=2, T=1000):
+    """fp32 through "auto" (the torch chunk path on CUDA: IEEE matmuls) against the token-by-token
+    recurrence, a different algorithm, with the bounded gate activated by the op: outputs, state
+    and every gradient, dA_log included, within 1e-4; A_log's and dt_bias's as sums of its draw."""
+    q, k, v, _, beta, h0 = make_inputs(B, T, H, K, K, "lb")
+    raw, gate = make_gate(B, T, H, K, "lb")
+    inputs = cuda(q, k, v, raw, beta, h0, gate.A_log, gate.dt_bias)
+    do, ds = torch.randn(B, T, H, K, device="cuda"), torch.randn(B, H, K, K, device="cuda")
+    results = {impl: gated_kda_grads(impl, [t.clone().requires_grad_() for t in inputs], gate.lower_bound, do, ds)
+               for impl in ("recurrent", "auto")}
+    for name, ref, out in zip(GATED_NAMES, results["recurrent"], results["auto"], strict=True):
+        assert_rel_close(name, ref, out, FP32_TOL)
+    got = results["auto"]
+    assert_gate_parameter_sums(inputs[3], inputs[7], gate.lower_bound, got[5], got[8], got[9])
 
 
 def test_fla_packed_and_decode_match_reference():
@@ -143,8 +188,8 @@ def test_fla_packed_and_decode_match_reference():
 def test_fla_layer_matches_chunk_layer_with_state():
     """The layer under bf16 autocast, fla's kernels vs the torch chunk path under the same autocast.
     Bound 3e-2: the two paths round the layer's bf16 activations at different points (fla after its
-    fused conv, gate and norms); bench/gpu_checks.py bounds the layer against the fp32 reference by
-    what bf16 costs the torch path itself."""
+    fused conv, gate and norms); tests/model/test_gpu_layers.py bounds the layer against the fp32
+    reference by what bf16 costs the torch path itself."""
     ref = make_layer("lb", kda_impl="chunk").cuda()
     fla = make_layer("lb", kda_impl="fla").cuda()
     fla.load_state_dict(ref.state_dict())
@@ -160,16 +205,59 @@ def test_fla_layer_matches_chunk_layer_with_state():
     assert_rel_close("conv tails", s_ref.conv.float(), s_fla.conv.float(), 3e-2)
 
 
-def test_fla_prefix_invariance():
-    """fla issue #1240: with its in-kernel safe gate, prefix outputs could depend on later gates.
-    The layer's fla path activates K3's bounded gate in-kernel with safe_gate: the prefix must not move."""
+def prefix_inputs(T: int, i: int):
+    """Two sets of op inputs (q, k, v in bf16, raw gate fp32, beta bf16; no state) equal before
+    position i and independently random from i on."""
+    def one_set():
+        q, k, v, _, beta, _ = make_inputs(1, T, H, K, K, "lb", with_state=False)
+        return [q, k, v, make_gate(1, T, H, K, "lb")[0], beta]
+    first, other = one_set(), one_set()
+    second = [torch.cat([a[:, :i], b[:, i:]], dim=1) for a, b in zip(first, other)]
+    return [[t.to("cuda", torch.float32 if j == 3 else torch.bfloat16) for j, t in enumerate(s)]
+            for s in (first, second)]
+
+
+def test_fla_prefix_invariance(T=1000, i=437):
+    """fla issue #1240: with its in-kernel safe gate, fla's sub-chunk anchor could lie in the
+    future, so prefix outputs depended on later gates. The op as the layer calls it (K3's bounded
+    gate activated in-kernel with safe_gate), every input changed from position i on (i inside a
+    16-token sub-chunk, where that anchor row lies in the future): outputs before i, and the
+    gradients of a loss that reads only outputs before i, must not move; gradients from i on must
+    be 0; the first i tokens alone must give the same outputs (appending is invisible)."""
+    gate = make_gate(1, 1, H, K, "lb")[1]
+    gate = DecayGate(gate.A_log.cuda(), gate.dt_bias.cuda(), gate.lower_bound)
+
+    def op(q, k, v, raw, beta):
+        return kda(q, k, v, raw, beta, impl="fla", gate=gate)[0]
+
+    do = torch.randn(1, i, H, K, device="cuda")
+    input_sets = prefix_inputs(T, i)
+    runs = []
+    for inputs in input_sets:
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        o = op(*leaves)
+        runs.append((o, torch.autograd.grad((o[:, :i].float() * do).sum(), leaves)))
+    (o1, g1), (o2, g2) = runs
+    assert_rel_close("outputs before i", o1[:, :i].float(), o2[:, :i].float(), EXACT)
+    with torch.no_grad():
+        alone = op(*[t[:, :i] for t in input_sets[0]])
+    assert_rel_close("first i tokens alone", o1[:, :i].float(), alone.float(), EXACT)
+    for name, a, b in zip(("dq", "dk", "dv", "draw", "dbeta"), g1, g2, strict=True):
+        assert_rel_close(f"{name} before i", a[:, :i].float(), b[:, :i].float(), EXACT)
+        rms = [part.float().pow(2).mean().sqrt() for part in (a[:, i:], a[:, :i])]
+        leak = (rms[0] / rms[1].clamp_min(1e-30)).item()
+        assert leak <= EXACT, f"{name} from i on: rms {leak:.3e} of the rms before i (want 0)"
+
+
+def test_fla_layer_prefix_invariance():
+    """The same at the layer: its fla path (conv, gate in-kernel, norm-gate), outputs before i."""
     layer: KimiDeltaAttention = make_layer("lb", kda_impl="fla").cuda()
     i, T = 37, 150
     x = torch.randn(1, T, layer.config.hidden_size, device="cuda")
     x2 = x.clone()
     x2[:, i:] += 3 * torch.randn_like(x2[:, i:])
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        assert_rel_close("outputs before i", layer(x)[:, :i].float(), layer(x2)[:, :i].float(), 1e-6)
+        assert_rel_close("outputs before i", layer(x)[:, :i].float(), layer(x2)[:, :i].float(), EXACT)
 
 
 def test_fla_normalize_qk_in_kernel_matches_chunk():
@@ -196,39 +284,51 @@ def test_auto_keeps_fp32_on_torch_paths():
                        kda(q, k, vb, g, beta, initial_state=h0, impl="fla")[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fla_conv_matches_torch_conv_packed_with_tails(dtype):
-    """fla's causal conv (SiLU fused) vs the torch reference in fp32: outputs, final tails and the
-    gradients of x, the weight and the initial tails, through outputs and tails."""
-    lengths, C, W = [1, 3, 70, 64], 96, 4
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    x = torch.randn(1, sum(lengths), C, device="cuda")
-    weight, h0 = torch.randn(C, W, device="cuda") / 2, torch.randn(len(lengths), C, W - 1, device="cuda")
-    dy, dtail = torch.randn_like(x), torch.randn_like(h0)
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = ["fp32", "bf16"]
+CONV_CASES = [(96, (1, 3, 70, 64)), (3 * H * K, (1, 3, 700, 64, 4000))]  # the second: the KDA layer's q|k|v width
+
+
+@pytest.mark.parametrize("C,lengths", CONV_CASES, ids=[f"C{c}-packed-{'-'.join(map(str, n))}" for c, n in CONV_CASES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fla_conv_matches_torch_conv_packed_with_tails(dtype, C, lengths, W=4):
+    """fla's causal conv (SiLU fused) in `dtype` vs the torch reference in fp32 on the same values
+    upcast: packed sequences (one shorter than the kernel) with initial tails; outputs, final tails
+    and the gradients of x, the weight and the initial tails, through outputs and tails."""
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0)
+    inputs = [torch.randn(1, sum(lengths), C, device="cuda"), torch.randn(C, W, device="cuda") / W,
+              torch.randn(len(lengths), C, W - 1, device="cuda")]
+    inputs = [t.to(dtype) for t in inputs]  # rounded once: the reference sees the same values
+    dy, dtail = torch.randn(1, sum(lengths), C, device="cuda"), torch.randn(len(lengths), C, W - 1, device="cuda")
     results = {}
-    for impl in ("torch", "fla"):
-        leaves = [t.detach().clone().to(dtype if impl == "fla" else torch.float32).requires_grad_()
-                  for t in (x, weight, h0)]
+    for impl, run_dtype in (("torch", torch.float32), ("fla", dtype)):
+        leaves = [t.detach().to(run_dtype).requires_grad_() for t in inputs]
         y, tails = causal_conv1d(*leaves[:2], initial_state=leaves[2], cu_seqlens=cu, output_final_state=True,
                                  activation="silu", impl=impl)
         grads = torch.autograd.grad((y.float() * dy).sum() + (tails.float() * dtail).sum(), leaves)
         results[impl] = (y, tails, *grads)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for name, ref, out in zip(("y", "tails", "dx", "dweight", "dh0"), results["torch"], results["fla"]):
-        assert_rel_close(name, ref.float(), out.float(), tol)
+    assert results["fla"][0].dtype == dtype
+    for name, ref, out in zip(("y", "tails", "dx", "dweight", "dh0"), results["torch"], results["fla"], strict=True):
+        assert_rel_close(name, ref, out.float(), TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fla_norm_gate_matches_torch(dtype):
-    o, gate = (torch.randn(2, 70, 3, 64, device="cuda", dtype=dtype) for _ in range(2))
-    weight = 0.5 + torch.rand(64, device="cuda")
-    leaves = {impl: [t.detach().clone().requires_grad_() for t in (o, gate, weight)] for impl in ("torch", "fla")}
-    dy = torch.randn(2, 70, 3, 64, device="cuda")
+NORM_GATE_SHAPES = [(2, 70, 3, 64), (2, 3000, H, K)]
+
+
+@pytest.mark.parametrize("shape", NORM_GATE_SHAPES, ids=[f"B{b}-T{t}-H{h}-K{k}" for b, t, h, k in NORM_GATE_SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fla_norm_gate_matches_torch(dtype, shape):
+    """KDA's output norm-gate, fla's kernel in `dtype` (the weight fp32, as the layer holds it) vs
+    the torch reference in fp32 on the same values upcast: outputs and the gradients of o, gate and
+    weight."""
+    inputs = [torch.randn(shape, device="cuda").to(dtype), torch.randn(shape, device="cuda").to(dtype),
+              0.5 + torch.rand(shape[-1], device="cuda")]
+    dy = torch.randn(shape, device="cuda")
     out = {}
-    for impl, ts in leaves.items():
-        y = rms_norm_gated(*ts, eps=1e-5, impl=impl)
-        out[impl] = (y, *torch.autograd.grad((y.float() * dy).sum(), ts))
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for name, ref, got in zip(("y", "do", "dgate", "dweight"), out["torch"], out["fla"]):
-        assert got.dtype == ref.dtype
-        assert_rel_close(name, ref.float(), got.float(), tol)
+    for impl, run_dtype in (("torch", torch.float32), ("fla", dtype)):
+        leaves = [t.detach().to(run_dtype if n < 2 else torch.float32).requires_grad_() for n, t in enumerate(inputs)]
+        y = rms_norm_gated(*leaves, eps=1e-5, impl=impl)
+        out[impl] = (y, *torch.autograd.grad((y.float() * dy).sum(), leaves))
+    assert out["fla"][0].dtype == dtype
+    for name, ref, got in zip(("y", "do", "dgate", "dweight"), out["torch"], out["fla"], strict=True):
+        assert_rel_close(name, ref, got.float(), TOL[dtype])

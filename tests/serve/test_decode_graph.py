@@ -1,6 +1,8 @@
 """CUDA-graph decode (k3/serve/decode_graph.py): what it refuses, with a message that says why;
-on CUDA, the serving engine's graph replay against its eager steps. The model-level numerics are
-checked on the GPU by bench/gpu_checks.py (model decode)."""
+on CUDA (`-m gpu`), decode steps replayed from graphs against eager steps and against the CPU fp32
+reference (with and without compiled regions), and the serving engine's graph replay against its
+eager steps."""
+import copy
 import gc
 
 import pytest
@@ -9,9 +11,12 @@ import torch
 from k3.config import load_config
 from k3.model.cache import K3Cache
 from k3.model.transformer import K3ForCausalLM
+from k3.regional_compile import compile_regions
 from k3.serve.decode_graph import CUDAGraphDecoder, capturable_experts
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
+from tests.helpers import assert_rel_close
+from tests.helpers.gpu import EXACT, bf16_reference, dense_routing_model, model_bound
 
 
 def test_refuses_cpu_models_and_host_synchronizing_experts():
@@ -19,6 +24,49 @@ def test_refuses_cpu_models_and_host_synchronizing_experts():
     assert not capturable_experts(model)  # CPU: the per-expert loop reads counts on the host
     with pytest.raises(ValueError, match="CUDA"):
         CUDAGraphDecoder(model, K3Cache.empty(model.config, 1, capacity=8))
+
+
+@torch.no_grad()
+def graph_decode(m: K3ForCausalLM, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Logits [B, steps, V] of the last `steps` tokens of ids [B, T]: a prefill of the rest into a
+    cache, then one decode step per token replayed from a CUDA graph."""
+    B, T = ids.shape
+    cache = K3Cache.empty(m.config, B, device=ids.device, dtype=next(m.parameters()).dtype, capacity=T)
+    m(ids[:, :-steps], cache=cache)
+    decoder = CUDAGraphDecoder(m, cache)
+    return torch.stack([decoder.step(ids[:, t]).clone() for t in range(T - steps, T)], 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-regions", "compiled-regions"])
+def test_graph_decode_matches_eager_decode_and_reference(compiled, B=2, T=200, steps=4):
+    """bf16 on CUDA: a prefill of T-4 tokens, then 4 decode steps replayed from a CUDA graph give
+    the last 4 logits of the fp32 reference of the same rounded weights, within the model's bf16
+    bound (tests/helpers/gpu.py). Uncompiled, the replay equals the eager steps exactly. With its
+    regions compiled by inductor (k3.regional_compile, as `k3 serve --compile` runs the model), the
+    bf16 arithmetic is fused and reordered, so not bit-equal to eager: prefill and replay must be
+    as close to the reference."""
+    model = dense_routing_model()
+    m = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    if not capturable_experts(m):
+        pytest.skip("routed experts not capturable on this GPU (grouped_mm needs sm90)")
+    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    reference, floor = bf16_reference(model, ids)
+    reference, bound = reference[:, -steps:], model_bound(floor)
+    ids = ids.cuda()
+    if compiled:
+        compile_regions(m)
+        with torch.no_grad():
+            full = m(ids)[:, -steps:].cpu()
+        assert_rel_close(f"compiled prefill vs cpu fp32 (cpu bf16: {floor:.1e})", reference, full, bound)
+    graphed = graph_decode(m, ids, steps).cpu()
+    assert_rel_close(f"graph decode vs cpu fp32 (cpu bf16: {floor:.1e})", reference, graphed, bound)
+    if not compiled:
+        with torch.no_grad():
+            cache = K3Cache.empty(m.config, B, device="cuda", dtype=torch.bfloat16)
+            m(ids[:, :-steps], cache=cache)
+            eager = torch.cat([m(ids[:, t:t + 1], cache=cache) for t in range(T - steps, T)], 1).cpu()
+        assert_rel_close("graph decode = eager decode", eager, graphed, EXACT)
 
 
 @pytest.mark.gpu
@@ -50,7 +98,7 @@ def test_engine_replays_decode_graphs_with_the_eager_tokens():
 @pytest.mark.gpu
 def test_decode_slots_capture_again_after_growing():
     """Growing the slots drops their graphs; the graphs captured next must not go into the memory
-    pool PyTorch retired with the old ones (run 24: an internal assert of the caching allocator at
+    pool PyTorch retired with the old ones (else the caching allocator's internal assert at
     capture_begin, "use_count > 0")."""
     from k3.serve.decode_slots import DecodeSlots
 
