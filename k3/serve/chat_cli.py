@@ -1,9 +1,20 @@
-"""`k3 chat`: talk to a model in the terminal through the local engine (no HTTP)."""
+"""`k3 chat`: talk to a model in the terminal through the local engine (no HTTP).
+
+A model that was not chat-tuned (a `k3 train` run is pretraining) does not answer, it continues
+the conversation's text: `k3 chat` says so once at the start rather than let the replies puzzle.
+"""
 from __future__ import annotations
 
 import argparse
 
-from k3.serve.cli import add_engine_arguments, engine_config, usage_error
+from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, engine_config, usage_error
+
+NOT_CHAT_TUNED = ("note: {name} has not been chat-tuned (its tokenizer_config.json has no chat_template):\n"
+                  "      its replies are plain continuations of the conversation's text, not answers.\n"
+                  "      A chat model comes from supervised fine-tuning (SFT) on conversations (`k3 sft`, planned).")
+# what the user reads after a reply, by finish reason (the engine's own names are jargon)
+STOPPED = {"stop": "stopped: end of reply", "length": "stopped: length limit ({limit} tokens)",
+           "error": "stopped: the model failed ({error})"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,23 +23,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reasoning-effort", default=None, help="low | high | max (OpenAI's names are mapped)")
+    p.add_argument("--verbose", action="store_true", help="after each reply, also show prompt tokens and "
+                                                          "how many came from the prefix cache")
+
+
+def status_line(request, limit: int, verbose: bool) -> str:
+    line = STOPPED.get(request.finish_reason, "stopped: {reason}").format(
+        limit=limit, error=request.error, reason=request.finish_reason)
+    if verbose:
+        line += (f" [{request.num_prompt_tokens} prompt tokens, {request.num_cached_tokens or 0} from the prefix "
+                 f"cache; {len(request.output_token_ids)} generated]")
+    return line
 
 
 def run(args) -> int:
     from k3.serve.detokenizer import IncrementalDetokenizer
     from k3.serve.engine import LLMEngine
-    from k3.serve.loading import load_for_serving
+    from k3.serve.loading import is_chat_tuned, load_for_serving
     from k3.serve.sampling import SamplingParams
-    from k3.text.chat_format import ChatFormat, ReplyParser
+    from k3.text.chat_format import ChatFormat, ReplyParser, map_reasoning_effort
 
     try:
         model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
-    except (ValueError, OSError) as e:  # a bad --run / --model / --tokenizer: one line, not a traceback
+        chat = ChatFormat(tokenizer)  # a tokenizer without K3's chat markers cannot hold a conversation
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # bad values: one line
+        map_reasoning_effort(args.reasoning_effort)
+    except LOAD_ERRORS as e:
         return usage_error("chat", e)
     engine = LLMEngine(model, engine_config(args))
-    chat = ChatFormat(tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"k3 chat with {name}: empty line or Ctrl-D to quit")
+    if not is_chat_tuned(args.run, args.model, args.tokenizer):
+        print(NOT_CHAT_TUNED.format(name=name))
     while True:
         try:
             line = input("> ")
@@ -55,7 +81,6 @@ def run(args) -> int:
                 print(f"\033[2m{text}\033[0m" if kind == "reasoning" else text, end="", flush=True)
         for kind, text in parser.finish():
             print(text, end="")
-        print(f"\n[{request.finish_reason}; {request.num_cached_tokens} of {request.num_prompt_tokens} prompt tokens "
-              f"from the prefix cache]")
+        print(f"\n[{status_line(request, budget, args.verbose)}]")
         messages.append({"role": "assistant", "content": parser.reply.content})
     return 0

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES
 from k3.serve.engine import EngineConfig
 
 
@@ -44,8 +45,14 @@ def engine_config(args) -> EngineConfig:
                         seed=args.seed)
 
 
+# what loading a bad --run / --model / --tokenizer raises (a missing or corrupted file, a checkpoint
+# that does not match its config): one line naming the file, not a traceback
+LOAD_ERRORS = (ValueError, OSError, KeyError)
+
+
 def usage_error(command: str, e: BaseException) -> int:
-    print(f"k3 {command}: error: {e}", file=sys.stderr)
+    message = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
+    print(f"k3 {command}: error: {message}", file=sys.stderr)
     return 2
 
 
@@ -56,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("K3_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $K3_API_KEY, else none)")
     p.add_argument("--served-model-name", help="the model id clients use (default: the run/checkpoint name)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted (beyond it: HTTP 413); default %(default)s")
     p.add_argument("--log-level", default="info")
 
 
@@ -65,11 +74,14 @@ def run(args) -> int:
     from k3.serve.loading import load_for_serving
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.max_request_bytes < 1:
+        return usage_error("serve", ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}"))
     try:
         model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
-    except (ValueError, OSError) as e:  # a bad --run / --model / --tokenizer: one line, not a traceback
+    except LOAD_ERRORS as e:
         return usage_error("serve", e)
     engine = AsyncEngine(LLMEngine(model, engine_config(args)), tokenizer)
-    app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key)
+    app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes)
     run_server(app, args.host, args.port)
     return 0

@@ -2,8 +2,8 @@
 
 Why kept rather than built per batch: a serving batch changes every few steps (requests finish,
 others end their prefill and join). A cache built per batch takes its CUDA graph with it at the
-next change; on bench/serve.py's mixed workload a batch lasted ~3.3 forwards, so graphs rarely
-replayed (docs/BENCHMARKS.md, run 17). Here the decode state lives in tensors that stay:
+next change; on bench/serve.py's mixed workload a batch lasts only a few forwards, so graphs would
+rarely replay. Here the decode state lives in tensors that stay:
 
   KDA conv tails [Lk, R, 3C, W-1] (model dtype) and states [Lk, R, H, K, V] (fp32, SPEC §3),
   MLA latents [M, R, S, L+R'] with device lengths [M, R], host lengths [R];
@@ -76,8 +76,8 @@ class DecodeSlots:
             return False
         self.graphs.clear()
         # and their memory pool: PyTorch retires a private pool with its last graph, and a capture
-        # into a retired pool's id fails an internal assert of the caching allocator (run 24:
-        # "use_count > 0" at capture_begin, after a growth); the next capture makes a new one
+        # into a retired pool's id fails an internal assert of the caching allocator ("use_count > 0"
+        # at capture_begin, after a growth); the next capture makes a new one
         self._graph_pool = None
         self.holds = None
         self._allocate(_grown(self.rows, rows), _grown(self.columns, columns))

@@ -3,11 +3,26 @@
 Text comes from `tokenizers.decoders.DecodeStream` (it holds back bytes until they form whole
 UTF-8 characters). Stop strings are matched on the decoded text; text that could still be the
 start of a stop string is held back, so a stop string never reaches the client (OpenAI semantics).
+
+Matching is bounded: the held-back text is at most the longest stop string minus one character,
+so each push scans only the new text plus that tail (stop strings are short: see
+k3.serve.sampling.MAX_STOP_CHARS).
 """
 from __future__ import annotations
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+
+def held_back(text: str, stop: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    tail = text[len(text) - min(len(text), len(stop) - 1):]
+    at = tail.find(stop[0]) if stop else -1
+    while at >= 0:  # the earliest start that matches gives the longest suffix
+        if stop.startswith(tail[at:]):
+            return len(tail) - at
+        at = tail.find(stop[0], at + 1)
+    return 0
 
 
 class IncrementalDetokenizer:
@@ -27,14 +42,13 @@ class IncrementalDetokenizer:
             chunk = self._stream.step(self.tokenizer, token)
             if chunk:
                 self._pending += chunk
-        for s in self.stop:
-            at = self._pending.find(s)
-            if at >= 0:
-                self.stopped = True
-                self._pending = self._pending[:at]
-        if self.stopped:
+        # _pending is the held-back tail plus the new text: a stop string can only end in the new text
+        first = min((at for s in self.stop if (at := self._pending.find(s)) >= 0), default=-1)
+        if first >= 0:
+            self.stopped = True
+            self._pending = self._pending[:first]
             return self._release(len(self._pending))
-        hold = max((k for s in self.stop for k in range(1, len(s)) if self._pending.endswith(s[:k])), default=0)
+        hold = max((held_back(self._pending, s) for s in self.stop), default=0)
         return self._release(len(self._pending) - hold)
 
     def flush(self) -> str:

@@ -10,8 +10,11 @@ asyncio consumer; when the consumer goes away (client disconnect, cancellation) 
 aborted and its pages are freed.
 
 A forward that raises fails only the requests of that step (their pages are freed, their streams
-get an `EngineError`); the loop goes on. Only repeated step failures in a row, or an error in the
-engine's own bookkeeping, stop the engine (`AsyncEngine.error`; the API then answers 503).
+get an `EngineError`); the loop goes on. A request whose sampling fails finishes alone (reason
+"error"; its stream gets an `EngineError`) and is no step failure. Only repeated forward failures
+in a row, or an error in the engine's own bookkeeping, stop the engine (`AsyncEngine.error`; the
+API then answers 503): no request parameter can do that, since sampling is numerically safe for
+every accepted value and isolated per request.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from tokenizers import Tokenizer
 
@@ -77,6 +80,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    error: str | None = None  # set when finish_reason is "error"
 
 
 class LLMEngine:
@@ -152,7 +156,8 @@ class LLMEngine:
             raise StepError(failed, outputs) from e
         with self._lock:
             for request in self.scheduler.update(out, sampled):
-                outputs.append(self._output(request, [sampled[request.request_id]]))
+                token = sampled[request.request_id]
+                outputs.append(self._output(request, [] if token.error is not None else [token]))
             if not self.scheduler.has_unfinished:  # idle: the decode slots hold no finished request
                 self.runner.release_held_requests()
         return outputs
@@ -162,7 +167,7 @@ class LLMEngine:
             self.runner.sampler.forget(request.request_id)
         return RequestOutput(request.request_id, new, request.status.finished, request.finish_reason,
                              request.num_prompt_tokens, request.num_cached_tokens or 0,
-                             len(request.output_token_ids))
+                             len(request.output_token_ids), request.error)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion (a convenience for tests, benchmarks and the terminal chat)."""
@@ -270,11 +275,14 @@ class AsyncEngine:
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  boundaries: tuple[int, ...] = (), eos_token_id: int | None = None,
-                 skip_special_tokens: bool = True) -> "RequestStream":
+                 skip_special_tokens: bool = True,
+                 on_finish: Callable[[str], None] | None = None) -> "RequestStream":
         """Add a request NOW (raising ValueError / QueueFullError / EngineError before anything is
         streamed, so the caller can still answer with a status code) and return its stream of
         deltas. Closing the stream before the end (aclose / close, even before the first
-        iteration; cancellation; garbage collection) aborts the request and frees its pages."""
+        iteration; cancellation; garbage collection) aborts the request and frees its pages.
+        `on_finish(reason)` is called once when the stream closes: its finish reason, "error" or
+        "cancelled" (closed before the end)."""
         if self.error is not None:
             raise EngineError(f"the engine stopped after an error: {self.error!r}")
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -290,7 +298,8 @@ class AsyncEngine:
             self._release(rid, abort=True)
             raise EngineError(f"the engine stopped after an error: {self.error!r}")
         self._wake.set()
-        return RequestStream(self, rid, queue, IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens))
+        return RequestStream(self, rid, queue, IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens),
+                             on_finish)
 
 
 class RequestStream:
@@ -298,10 +307,13 @@ class RequestStream:
     has finished, whether or not iteration ever started; a stream dropped unclosed is aborted when
     it is garbage collected."""
 
-    def __init__(self, engine: AsyncEngine, rid: str, queue: asyncio.Queue, detok: IncrementalDetokenizer):
+    def __init__(self, engine: AsyncEngine, rid: str, queue: asyncio.Queue, detok: IncrementalDetokenizer,
+                 on_finish: Callable[[str], None] | None = None):
         self.request_id = rid
         self._engine, self._queue, self._detok = engine, queue, detok
+        self._on_finish = on_finish
         self.finished = False
+        self.finish_reason: str | None = None  # "error" when the engine failed the request
         self._closed = False
         self._gen = self._iterate()
 
@@ -317,6 +329,8 @@ class RequestStream:
             return
         self._closed = True
         self._engine._release(self.request_id, abort=not self.finished)
+        if self._on_finish is not None:
+            self._on_finish(self.finish_reason or "cancelled")
 
     async def aclose(self) -> None:
         try:
@@ -334,10 +348,13 @@ class RequestStream:
             while not self.finished:
                 o = await self._queue.get()
                 if isinstance(o, BaseException):  # the engine already finished the request
-                    self.finished = True
+                    self.finished, self.finish_reason = True, RequestStatus.FINISHED_ERROR.value
                     if isinstance(o, EngineError):
                         raise o
                     raise EngineError(repr(o)) from o
+                if o.finish_reason == RequestStatus.FINISHED_ERROR.value:
+                    self.finished, self.finish_reason = True, o.finish_reason
+                    raise EngineError(f"this request failed: {o.error}")
                 ids = [t.token_id for t in o.new_tokens]
                 text = detok.push(ids)
                 finished, reason = o.finished, o.finish_reason
@@ -349,6 +366,8 @@ class RequestStream:
                 elif finished:
                     text += detok.flush()
                 self.finished = finished
+                if finished:
+                    self.finish_reason = reason
                 yield StreamDelta(text, ids, o.new_tokens, finished, reason, o.num_prompt_tokens,
                                   o.num_cached_tokens, o.num_output_tokens)
         finally:

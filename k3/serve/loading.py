@@ -1,7 +1,13 @@
 """What to serve: a `k3 train` run folder (its latest checkpoint) or any HF-layout checkpoint,
-plus its tokenizer.json."""
+plus its tokenizer.json, and whether the model was chat-tuned.
+
+A checkpoint counts as chat-tuned when the tokenizer_config.json beside its tokenizer carries a
+`chat_template` (the Hugging Face sign of a chat model, which supervised fine-tuning writes); a
+`k3 train` run is pretraining and has none.
+"""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -20,22 +26,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def checkpoint_folder(run: str | None, model: str | None) -> Path:
     if (run is None) == (model is None):
         raise ValueError("give exactly one of --run DIR (a `k3 train` run) or --model DIR (an HF-layout checkpoint)")
-    if model is not None:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json: not an HF-layout checkpoint folder")
-        return path
-    return resolve_checkpoint(run)
+    return resolve_checkpoint(run if model is None else model)  # either takes a checkpoint or a run folder
+
+
+def tokenizer_path(folder: Path, tokenizer: str | None) -> Path:
+    path = Path(tokenizer) if tokenizer else folder / TOKENIZER_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {folder}; pass --tokenizer PATH")
+    return path / TOKENIZER_FILE if path.is_dir() else path
+
+
+def is_chat_tuned(run: str | None = None, model: str | None = None, tokenizer: str | None = None) -> bool:
+    """True when the tokenizer_config.json beside the tokenizer has a chat_template (see above)."""
+    config = tokenizer_path(checkpoint_folder(run, model), tokenizer).parent / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):  # absent, unreadable or not an object: no chat template
+        return False
 
 
 def load_for_serving(run: str | None = None, model: str | None = None, tokenizer: str | None = None,
                      device: str = "cpu", dtype: str = "float32") -> tuple[torch.nn.Module, Tokenizer, str]:
-    """-> (model in eval mode, tokenizer, a served model name)."""
+    """-> (model in eval mode, tokenizer, a served model name). A missing or corrupted file raises
+    ValueError / OSError / KeyError naming it."""
     folder = checkpoint_folder(run, model)
-    tok_path = Path(tokenizer) if tokenizer else folder / TOKENIZER_FILE
-    if not tok_path.exists():
-        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {folder}; pass --tokenizer PATH")
-    tok = load_tokenizer(tok_path)
+    tok_path = tokenizer_path(folder, tokenizer)
+    try:
+        tok = load_tokenizer(tok_path)
+    except OSError:
+        raise
+    except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
+        raise ValueError(f"{tok_path} is not a readable tokenizer file ({e})") from None
     net = load_pretrained(folder, device=torch.device(device), dtype=DTYPES[dtype]).eval()
     if tok.get_vocab_size() > net.config.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids, the model only {net.config.vocab_size}")

@@ -18,11 +18,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # eos, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model length
     FINISHED_ABORTED = "abort"  # cancelled by the client
+    FINISHED_ERROR = "error"  # this request's sampling failed (its batch-mates go on)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Request:
     checkpoints: list[int] = field(default_factory=list)  # pending KDA checkpoint positions
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
     num_preemptions: int = 0
+    error: str | None = None  # why the request finished with FINISHED_ERROR
 
     def __post_init__(self):
         if not self.prompt_token_ids:

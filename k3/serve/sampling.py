@@ -5,16 +5,26 @@ device, as `generate` picks them; the others row by row), so greedy serving is t
 `generate` by construction; each request may bring its own seed (its own generator,
 so its samples do not depend on what else is in the batch). Logprobs are of the model's raw
 distribution (before temperature / top-k / top-p), as in the OpenAI API.
+
+A row whose sampling raises (non-finite logits) gets a `SampledToken` with `error` set instead of
+failing the batch: the engine finishes that request alone with finish reason "error".
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from k3.generation.generate import sample_next
+from k3.generation.generate import GREEDY_BELOW, sample_next
+
+log = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound
+# Stop strings are matched on every decoded chunk: bounding their number and length bounds the
+# per-token cost of matching (the OpenAI API also allows at most 4).
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -42,10 +52,14 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW  # what sample_next treats as greedy
 
 
 @dataclass
@@ -53,6 +67,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    error: str | None = None  # sampling failed for this row (token_id is then meaningless)
 
 
 class Sampler:
@@ -78,9 +93,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[SampledToken]:
         """Greedy rows without logprobs (what most serving traffic asks for) take one batched argmax
         where the logits are, so only their token ids cross to the host; the other rows move to the
-        host in fp32 and each takes its own generator. A GPU profile of a 32-request batch spent
-        more host time on per-row argmax calls and the [N, V] copy than on launching the replayed
-        decode step (docs/gpu_runs/2026-12-03-run19-serve-mixed-profile.txt)."""
+        host in fp32 and each takes its own generator (per-row argmax calls and the [N, V] copy cost
+        more host time than a replayed decode step on GPU)."""
         out: list[SampledToken | None] = [None] * len(params)
         plain = [n for n, p in enumerate(params) if p.greedy and p.logprobs is None]
         if plain:
@@ -93,14 +107,22 @@ class Sampler:
         host = logits[rest].float().cpu()
         logprobs = torch.log_softmax(host, dim=-1) if any(params[n].logprobs is not None for n in rest) else None
         for row, n in enumerate(rest):
-            rid, p = request_ids[n], params[n]
-            token = int(sample_next(host[row:row + 1], temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                    generator=None if p.greedy else self.generator(rid, p))[0])
-            sampled = SampledToken(token)
-            if p.logprobs is not None:
-                sampled.logprob = float(logprobs[row, token])
-                if p.logprobs:
-                    top = torch.topk(logprobs[row], p.logprobs)
-                    sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
-            out[n] = sampled
+            try:
+                out[n] = self._sample_row(host[row:row + 1], None if logprobs is None else logprobs[row],
+                                          request_ids[n], params[n])
+            except Exception as e:  # this request fails alone; its batch-mates keep their tokens
+                log.warning("sampling failed for request %s: %r", request_ids[n], e)
+                out[n] = SampledToken(-1, error=f"sampling failed: {e}")
         return out
+
+    def _sample_row(self, logits: torch.Tensor, logprobs: torch.Tensor | None, rid: str,
+                    p: SamplingParams) -> SampledToken:
+        token = int(sample_next(logits, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                generator=None if p.greedy else self.generator(rid, p))[0])
+        sampled = SampledToken(token)
+        if p.logprobs is not None:
+            sampled.logprob = float(logprobs[token])
+            if p.logprobs:
+                top = torch.topk(logprobs, p.logprobs)
+                sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+        return sampled

@@ -156,7 +156,8 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
-        """Account for a finished step; returns the requests that got a token (some now finished)."""
+        """Account for a finished step; returns the requests that sampled (a token, or an error that
+        finished them alone; some now finished)."""
         changed = []
         for s in out.requests:
             request = self.requests[s.request_id]
@@ -165,9 +166,13 @@ class Scheduler:
             request.checkpoints = [c for c in request.checkpoints if c > request.num_computed_tokens]
             if not s.sample:
                 continue
+            changed.append(request)
+            if sampled[s.request_id].error is not None:
+                request.error = sampled[s.request_id].error
+                self.finish(request.request_id, RequestStatus.FINISHED_ERROR)
+                continue
             token = sampled[s.request_id].token_id
             request.output_token_ids.append(token)
-            changed.append(request)
             status = self._stop_status(request, token)
             if status is not None:
                 self.finish(request.request_id, status)

@@ -77,7 +77,8 @@ class ChatFormat:
 
     def _turn(self, role: str, text: str, close: bool = True) -> list[int]:
         ids = [self.open] + self.tokenizer.encode(role, add_special_tokens=False).ids + [self.sep]
-        ids += self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+        # encode_batch releases the GIL (encode holds it), so a long message does not stall the server's event loop
+        ids += self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids if text else []
         return ids + [self.close] if close else ids
 
     def message_text(self, message: dict) -> tuple[str, str]:

@@ -95,6 +95,30 @@ class ScriptedModel(FakeModel):
         return self.script[since] if since < len(self.script) else self.end
 
 
+class PoisonModel(FakeModel):
+    """FakeModel whose logits are NaN for every sequence whose history holds `poison`: a model gone
+    bad on one input, to check that a request whose sampling fails fails alone."""
+
+    def __init__(self, vocab_size: int = VOCAB, poison: int = VOCAB - 1):
+        super().__init__(vocab_size)
+        self.poison = poison
+
+    def forward(self, input_ids, *, cu_seqlens=None, cache=None, logits_to_keep=None):
+        logits = super().forward(input_ids, cu_seqlens=cu_seqlens, cache=cache)
+        flat = logits.view(1, -1, logits.shape[-1])  # packed [1, T, V] or uniform [N, 1, V]: positions in order
+        bounds = (torch.arange(0, input_ids.numel() + 1, input_ids.shape[1]) if cu_seqlens is None
+                  else cu_seqlens).tolist()
+        mla = next(layer for layer in cache.layers if hasattr(layer, "buffer"))
+        for n in range(len(bounds) - 1):
+            if self.poison in mla.rows(n)[:, 1].long().tolist():
+                flat[0, bounds[n]:bounds[n + 1]] = float("nan")
+        return logits if logits_to_keep is None else logits[:, logits_to_keep]
+
+    def predict(self, history, kda, tail, mla) -> int:  # never the poison itself: healthy requests stay so
+        token = super().predict(history, kda, tail, mla)
+        return token if token != self.poison else (token + 1) % self.config.vocab_size
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
     """Serving tests run tiny ops: one intra-op thread avoids the spin-wait cost of a second thread

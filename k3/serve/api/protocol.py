@@ -3,15 +3,64 @@
 Validation happens here so bad input is a 400 with OpenAI's error JSON
 `{"error": {"message", "type", "param", "code"}}`, never a 5xx. Fields we accept but cannot
 honour are rejected explicitly rather than silently ignored (n > 1, echo, penalties, logit_bias,
-forced tool choice).
+forced tool choice). Numbers and booleans are as JSON Schema has them: `true` is no integer and
+`"1"` no number (`2.0` is the integer 2);
+every string in a body must be valid Unicode (a lone surrogate such as "\\ud800" cannot be
+tokenized) and no value may nest deeper than MAX_DEPTH; tool `parameters` must be a valid JSON
+Schema.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import jsonschema_rs
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    field_validator,
+    model_validator,
+)
+
+from k3.serve.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 MAX_INT = 2**31 - 1
+MAX_DEPTH = 64  # JSON nesting (objects and lists), tool schemas and call arguments included
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.isascii() or text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{path or 'a string'}: not valid Unicode (a lone surrogate such as \\ud800)") from None
+
+
+def check_json_value(value: Any, where: str = "") -> None:
+    """Raise ValueError naming the place of the first lone surrogate or of nesting beyond MAX_DEPTH.
+    Iterative, so a deep value cannot exhaust the stack while being checked."""
+    if isinstance(value, str):
+        return _check_text(value, where)
+    stack = [(value, where, 0)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, path, depth = stack.pop()
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"{path or 'the body'}: nested deeper than {MAX_DEPTH} levels")
+        for k, item in v.items() if isinstance(v, dict) else enumerate(v):
+            if isinstance(k, str):
+                _check_text(k, path)
+            if isinstance(item, str):
+                if not item.isascii():  # the path is built only for the strings that need a look
+                    _check_text(item, _join(path, k))
+            elif isinstance(item, (dict, list)):
+                stack.append((item, _join(path, k), depth + 1))
 
 
 class APIError(Exception):
@@ -25,41 +74,66 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (OpenAI's shape); published in the OpenAPI schema."""
+    error: ErrorDetail
+
+
 class _Request(BaseModel):
     # unknown fields are ignored (clients send vendor extensions); known ones are type-checked
     model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+def _integer(value):
+    """JSON Schema's integer: pydantic's lax int would also take `true` and `"1"`."""
+    if isinstance(value, (bool, str)):
+        raise ValueError("Input should be an integer, not a boolean or a string")
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_integer)]
+
+# what the published schema states, so that a request built from it is one the server accepts
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[Integer, Field(ge=0)]
+Unsupported = "accepted for compatibility; only the default is supported"
 
 
 class _Sampling(_Request):
     model: str
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=MAX_INT)  # extension (vLLM-style); 0 = off
-    n: int = Field(1, ge=1, le=MAX_INT)
-    stream: bool = False
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: Integer = Field(0, ge=0, le=MAX_INT)  # extension (vLLM-style); 0 = off
+    n: Integer = Field(1, ge=1, le=1, description="one choice per request")
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Integer | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    presence_penalty: StrictFloat = Field(0.0, ge=0.0, le=0.0, description=Unsupported)
+    frequency_penalty: StrictFloat = Field(0.0, ge=0.0, le=0.0, description=Unsupported)
+    logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=0, description=Unsupported)
     user: str | None = None
-    ignore_eos: bool = False  # extension
+    ignore_eos: StrictBool = False  # extension
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json(cls, data):
+        check_json_value(data)
+        return data
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n != 1:
-            raise ValueError("n must be 1 (one choice per request)")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise ValueError("stop accepts at most 4 sequences")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -70,23 +144,19 @@ class _Sampling(_Request):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    suffix: str | None = None
+    # text or token ids; a batch of prompts may hold one (one prompt per request)
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
+    max_tokens: Integer | None = Field(16, ge=1, le=MAX_INT)
+    logprobs: Integer | None = Field(None, ge=0, le=5)
+    echo: Literal[False] = Field(False, description=Unsupported)
+    suffix: str | None = Field(None, max_length=0, description=Unsupported)
 
     @model_validator(mode="after")
     def _single_prompt(self):
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("one prompt per request (a batch of prompts is not supported)")
-            self.prompt = p[0]
-        if self.echo or self.suffix:
-            raise ValueError("echo and suffix are not supported")
-        if not self.prompt:
-            raise ValueError("prompt must not be empty")
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
+            self.prompt = self.prompt[0]
         return self
 
 
@@ -99,6 +169,19 @@ class FunctionCall(_Request):
     name: str
     arguments: str
 
+    @field_validator("arguments")
+    @classmethod
+    def _bounded(cls, v: str) -> str:
+        """Arguments are JSON in a string, parsed when the turn is rendered: bound their nesting here
+        (invalid JSON is reported by the chat format)."""
+        try:
+            check_json_value(json.loads(v), "arguments")
+        except RecursionError:
+            raise ValueError(f"arguments: nested deeper than {MAX_DEPTH} levels") from None
+        except json.JSONDecodeError:
+            pass
+        return v
+
 
 class ToolCall(_Request):
     id: str
@@ -106,29 +189,55 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+Content = str | list[TextPart]
+
+
+class SystemMessage(_Request):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Request):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Request):
+    role: Literal["assistant"]
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None  # the name some clients use for `reasoning`
 
-    @model_validator(mode="after")
-    def _has_content(self):
-        if self.role != "assistant" and self.content is None:
-            raise ValueError(f"a {self.role} message needs content")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id")
-        return self
+
+class ToolMessage(_Request):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str = Field(min_length=1)
+
+
+# one schema per role (the published schema says which fields each role needs)
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
 class FunctionDef(_Request):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema(cls, v: dict | None) -> dict | None:
+        if v is not None:
+            try:
+                jsonschema_rs.meta.validate(v)
+            except (jsonschema_rs.ValidationError, ValueError) as e:
+                raise ValueError(f"parameters is not a valid JSON Schema: {str(e).splitlines()[0]}") from None
+        return v
 
 
 class Tool(_Request):
@@ -138,19 +247,17 @@ class Tool(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: Integer | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: Integer | None = Field(None, ge=1, le=MAX_INT)
+    logprobs: StrictBool = False
+    top_logprobs: Integer | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | dict | None = None
-    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto"] | None = Field(None, description="forcing a tool is not supported")
+    parallel_tool_calls: StrictBool | None = None
     reasoning_effort: str | None = None
 
     @model_validator(mode="after")
     def _checks(self):
-        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
-            raise ValueError("tool_choice: only 'auto' and 'none' are supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self

@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions, /health,
 /metrics. Requests become token ids + SamplingParams, go through the AsyncEngine, and come back
-as OpenAI JSON or SSE chunks (`data: {...}`, then `data: [DONE]`)."""
+as OpenAI JSON or SSE chunks (`data: {...}`, then `data: [DONE]`). Prompts are tokenized on a worker
+thread (with the GIL released), so a long prompt never holds up the event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
 from k3.serve.api.metrics import Metrics
-from k3.serve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from k3.serve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse
 from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
@@ -35,6 +36,17 @@ class ServingContext:
 
 
 router = APIRouter()
+
+
+def _errors(*statuses: int) -> dict:
+    """OpenAPI `responses` for these error statuses, all with the error schema."""
+    why = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+           413: "request body over --max-request-bytes", 429: "queue full (see Retry-After)",
+           500: "the model failed while serving the request", 503: "the engine has stopped"}
+    return {s: {"model": ErrorResponse, "description": why[s]} for s in statuses}
+
+
+GENERATE_ERRORS = _errors(400, 401, 404, 413, 429, 500, 503)
 
 
 def _ctx(request: Request) -> ServingContext:
@@ -61,8 +73,11 @@ def _sampling(ctx: ServingContext, body, prompt_len: int, max_new: int | None, l
 
 
 def _submit(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, rid: str, **kw) -> RequestStream:
+    def finished(reason: str) -> None:  # every admitted request, cancelled and failed ones included
+        ctx.metrics.requests.labels(reason).inc()
+
     try:
-        return ctx.engine.generate(prompt_ids, params, request_id=rid, **kw)
+        return ctx.engine.generate(prompt_ids, params, request_id=rid, on_finish=finished, **kw)
     except EngineError as e:
         ctx.metrics.rejected.labels("503").inc()
         raise APIError(503, f"the engine is unavailable: {e}", type="server_error", code="engine_unavailable") from None
@@ -86,7 +101,6 @@ async def _timed(ctx: ServingContext, stream: AsyncIterator[StreamDelta], t0: fl
                 m.generation_tokens.inc(len(d.token_ids))
             if d.finished:
                 m.prompt_tokens.inc(d.num_prompt_tokens)
-                m.requests.labels(d.finish_reason).inc()
             yield d
 
 
@@ -189,7 +203,15 @@ def _completion_logprobs(tok: Tokenizer, deltas: list[StreamDelta], offset: int)
 
 
 # ---------------------------------------------------------------------- endpoints
-@router.get("/health")
+def _encode(tok: Tokenizer, text: str) -> list[int]:
+    # encode_batch releases the GIL while it works (encode does not): the event loop stays live
+    return tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+@router.get("/health", responses={503: {"description": "the engine has stopped",
+                                        "content": {"application/json": {"schema": {
+                                            "type": "object", "properties": {"status": {"type": "string"},
+                                                                              "error": {"type": "string"}}}}}}})
 async def health(request: Request):
     ctx = _ctx(request)
     if ctx.engine.error is not None:
@@ -202,7 +224,7 @@ async def metrics(request: Request):
     return Response(generate_latest(_ctx(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=_errors(401))
 async def models(request: Request):
     ctx = _ctx(request)
     return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
@@ -215,13 +237,13 @@ def _check_model(ctx: ServingContext, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=GENERATE_ERRORS)
 async def completions(body: CompletionRequest, request: Request):
     ctx = _ctx(request)
     t0 = time.monotonic()
     _check_model(ctx, body.model)
     prompt = body.prompt
-    ids = ctx.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
+    ids = await asyncio.to_thread(_encode, ctx.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, "the prompt encodes to no tokens", param="prompt")
     params = _sampling(ctx, body, len(ids), body.max_tokens, body.logprobs, [])
@@ -258,7 +280,7 @@ async def completions(body: CompletionRequest, request: Request):
     return _streaming(sse(), handle)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=GENERATE_ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = _ctx(request)
     t0 = time.monotonic()
@@ -267,9 +289,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, "this model's tokenizer has no K3 chat markers; use /v1/completions")
     use_tools = bool(body.tools) and body.tool_choice != "none"
     try:
-        rendered = ctx.chat.render([m.model_dump(exclude_none=True) for m in body.messages],
-                                   tools=[t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None,
-                                   reasoning_effort=body.reasoning_effort)
+        rendered = await asyncio.to_thread(
+            ctx.chat.render, [m.model_dump(exclude_none=True) for m in body.messages],
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None,
+            reasoning_effort=body.reasoning_effort)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None

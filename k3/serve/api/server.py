@@ -1,11 +1,12 @@
 """The FastAPI app around an AsyncEngine, and running it with uvicorn (127.0.0.1 by default).
 
 Every error leaves as OpenAI's JSON shape: validation failures and malformed JSON as 400 (never
-FastAPI's 422 or a 5xx), a missing/wrong API key as 401, a full queue as 429 with Retry-After.
+FastAPI's 422 or a 5xx), a missing/wrong API key as 401 (checked before the body is read), a body
+over the size limit as 413, a full queue as 429 with Retry-After. The published OpenAPI schema
+says so: each operation lists its error statuses with the error schema, and no 422.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
@@ -13,12 +14,14 @@ import time
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
+from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES, RequestGate
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError
 from k3.serve.api.routes import ServingContext, router
@@ -26,14 +29,14 @@ from k3.serve.engine import AsyncEngine
 from k3.text.chat_format import ChatFormat
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/metrics")  # readable without the API key (probes, scrapers)
 
 
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -47,15 +50,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
         log.warning("chat endpoint disabled: %s", e)
         chat = None
     app.state.ctx = ServingContext(engine, tokenizer, chat, model_name, Metrics(engine.engine), int(time.time()))
-
-    # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, and
-    # then a non-streaming handler can no longer see the client disconnect.
-    async def check_api_key(request: Request) -> None:
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                               type="authentication_error", code="invalid_api_key")
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -73,15 +67,32 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
                                code="invalid_json" if first.get("type") == "json_invalid" else None))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        return _error(APIError(e.status_code, str(e.detail), type="invalid_request_error"))
+    async def http_error(request: Request, e: StarletteHTTPException):  # 404, 405 (keeps its Allow header)
+        return _error(APIError(e.status_code, str(e.detail), type="invalid_request_error", headers=e.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):  # a bug: still OpenAI's shape
         log.error("unhandled error on %s", request.url.path, exc_info=e)
         return _error(APIError(500, f"internal server error: {type(e).__name__}", type="server_error"))
 
-    app.include_router(router, dependencies=[Depends(check_api_key)])
+    app.include_router(router)
+    app.add_middleware(RequestGate, api_key=api_key, max_request_bytes=max_request_bytes)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema["paths"].values():  # FastAPI adds a 422 we never send (it is a 400)
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):  # the one model served (else 404)
+                components[name]["properties"]["model"]["enum"] = [model_name]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

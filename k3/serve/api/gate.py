@@ -1,0 +1,71 @@
+"""The gate every HTTP request passes before the app sees it: the API key, then the body size.
+
+A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which wraps `receive` so that a
+handler can no longer see the client disconnect). The key is checked from the headers before
+any byte of the body is read, and the body is refused with 413 from its Content-Length or, for a
+chunked body, as soon as what has arrived passes the limit: a hostile client cannot make the
+server buffer or parse more than `max_request_bytes`.
+"""
+from __future__ import annotations
+
+import hmac
+
+from fastapi.responses import JSONResponse
+
+from k3.serve.api.protocol import APIError
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a model length, far below memory
+# readable without the API key: probes, scrapers and the published schema
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body larger than {limit} bytes (the server's --max-request-bytes)",
+                    code="request_too_large")
+
+
+class RequestGate:
+    def __init__(self, app, *, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        self.app, self.api_key, self.limit = app, api_key, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])  # lower-case names as bytes (ASGI)
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                return await _reply(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                             type="authentication_error", code="invalid_api_key"), scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _reply(_too_large(self.limit), scope, receive, send)
+        chunks, size = [], 0
+        while True:  # read the whole body here, bounded, before the app parses anything
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await _reply(_too_large(self.limit), scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body, delivered = b"".join(chunks), False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the client's disconnect, as the app expects
+
+        await self.app(scope, replay, send)
+
+
+async def _reply(e: APIError, scope, receive, send) -> None:
+    # close the connection: the unread body must not be taken for the next request
+    headers = {**(e.headers or {}), "Connection": "close"}
+    await JSONResponse(e.body(), status_code=e.status, headers=headers)(scope, receive, send)
