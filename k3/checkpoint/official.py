@@ -22,6 +22,13 @@ from k3.model.precision import fp32_tensor_names
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read (truncated, corrupted, not safetensors/JSON); the
+    message names the file."""
+
+
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
 _EXPERT_FILE_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
 
@@ -117,21 +124,45 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
     return directory
 
 
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file (config.json, the index) as a dict, or CheckpointError naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return data
+
+
 def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF-layout directory (indexed shards or a single model.safetensors)."""
+    """Every tensor of an HF-layout directory (indexed shards or a single model.safetensors).
+    A truncated or corrupted file is a CheckpointError naming it, never a parser traceback."""
     directory = Path(directory)
     index = directory / INDEX_NAME
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} has no weight_map of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"no {INDEX_NAME} or model.safetensors in {directory}")
     tensors = {}
     for fname in files:
-        with safe_open(str(directory / fname), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+        path = directory / fname
+        if not path.is_file():
+            raise CheckpointError(f"{path} is listed in {INDEX_NAME} but missing")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except Exception as e:  # safetensors' SafetensorError derives from Exception only
+            raise CheckpointError(f"{path} is not a readable safetensors file "
+                                  f"(truncated or corrupted?): {e}") from None
     return tensors
 
 
@@ -149,7 +180,13 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
         packed_config, tensors = read_packed(directory, dtype=dtype)
         config = config or packed_config
     else:
-        config = K3Config.from_json(directory / "config.json") if config is None else config
+        if config is None:
+            if not (directory / "config.json").is_file():
+                raise FileNotFoundError(f"no config.json in {directory}")
+            try:
+                config = K3Config.from_dict(read_json(directory / "config.json"))
+            except (KeyError, TypeError) as e:
+                raise CheckpointError(f"{directory / 'config.json'} is not a model config ({e})") from None
         tensors = read_safetensors(directory)
     tensors = official_to_state_dict(config, tensors)
     with torch.device("meta"):

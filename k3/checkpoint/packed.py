@@ -18,12 +18,18 @@ dequantize-on-use module would be the place to save it.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
 
-from k3.checkpoint.official import DEFAULT_SHARD_BYTES, read_safetensors, save_pretrained, state_dict_to_official
+from k3.checkpoint.official import (
+    DEFAULT_SHARD_BYTES,
+    CheckpointError,
+    read_json,
+    read_safetensors,
+    save_pretrained,
+    state_dict_to_official,
+)
 from k3.config import K3Config
 from k3.model.precision import fp32_tensor_names
 from k3.quant.mx import dequantize, quantize
@@ -58,7 +64,7 @@ QUANTIZATION_CONFIG = {
 }
 
 
-class PackedCheckpointError(ValueError):
+class PackedCheckpointError(CheckpointError):
     """A checkpoint that claims the packed layout but does not follow it."""
 
 
@@ -152,7 +158,7 @@ def read_packed(directory: str | Path, *, dtype: torch.dtype | None = None) -> t
     config has no `quantization_config`: the model it builds is dense, and saving it again must
     not claim packed weights. `k3.checkpoint.official.load_pretrained` builds the model from these."""
     directory = Path(directory)
-    raw, qc = split_quantization_config(json.loads((directory / "config.json").read_text()))
+    raw, qc = split_quantization_config(read_json(directory / "config.json"))
     if qc is None:
         raise PackedCheckpointError(f"{directory}/config.json has no quantization_config")
     check_quantization_config(qc)
@@ -164,4 +170,4 @@ def read_packed(directory: str | Path, *, dtype: torch.dtype | None = None) -> t
 
 def is_packed_checkpoint(directory: str | Path) -> bool:
     path = Path(directory) / "config.json"
-    return path.is_file() and split_quantization_config(json.loads(path.read_text()))[1] is not None
+    return path.is_file() and split_quantization_config(read_json(path))[1] is not None

@@ -1,5 +1,7 @@
 """`k3 quantize --model DIR --out DIR`: a dense checkpoint -> the official MXFP4 packed layout.
 
+DIR is a checkpoint folder or a `k3 train` run folder (its latest checkpoint).
+
 Routed experts become MXFP4 (K3 ceil rule), everything else bf16 (k3/checkpoint/packed.py);
 tokenizer files are copied along so the output serves on its own. Prints the per-layer relative
 error table and writes it to DIR/quantization_report.json.
@@ -9,17 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from k3.checkpoint.official import DEFAULT_SHARD_BYTES, load_pretrained
 from k3.checkpoint.packed import is_packed_checkpoint, save_packed
 from k3.checkpoint.quantize_report import KINDS, quantization_report
+from k3.checkpoint.run_folder import resolve_checkpoint
 
 REPORT_FILE = "quantization_report.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="dense checkpoint folder (config.json + safetensors)")
+    parser.add_argument("--model", required=True, help="dense checkpoint folder (config.json + safetensors) or a `k3 train` run folder (its latest checkpoint)")
     parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="safetensors shard size")
 
@@ -37,19 +41,23 @@ def _print_report(rows: list[dict]) -> None:
     Console().print(table)
 
 
+def _error(message: str) -> int:
+    print(f"k3 quantize: error: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
-    src, out = Path(args.model), Path(args.out)
-    if not (src / "config.json").is_file():
-        print(f"k3 quantize: {src} has no config.json")
-        return 2
-    if is_packed_checkpoint(src):
-        print(f"k3 quantize: {src} is already quantized (its config.json has a quantization_config)")
-        return 2
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"k3 quantize: output {out} exists and is not an empty folder")
-        return 2
-    model = load_pretrained(src)
-    rows = quantization_report(model)
+    out = Path(args.out)
+    try:
+        src = resolve_checkpoint(args.model)
+        if is_packed_checkpoint(src):
+            return _error(f"{src} is already quantized (its config.json has a quantization_config)")
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            return _error(f"output {out} exists and is not an empty folder")
+        model = load_pretrained(src)
+        rows = quantization_report(model)
+    except (FileNotFoundError, KeyError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one
+        return _error(e.args[0] if isinstance(e, KeyError) and e.args else str(e))
     save_packed(model, out, max_shard_bytes=args.max_shard_bytes)
     for f in sorted(src.glob("tokenizer*")):
         if f.is_file():

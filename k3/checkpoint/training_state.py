@@ -10,7 +10,10 @@ A checkpoint is a folder `step_{N:07d}/` under the run's `checkpoints/`:
     rng.safetensors                                                 torch RNG states
 It is written into a hidden temp folder and renamed into place as the last act, so a folder named
 `step_*` is always whole: a process killed mid-write leaves only a `.tmp` folder, which resume
-ignores and the next save removes. The last `keep` checkpoints are kept.
+ignores and the next save removes; a save that fails (a full disk) removes its temp folder at
+once and raises CheckpointSaveError. The last `keep` checkpoints are kept; only the latest keeps
+the resume state (optimizer, RNG, trainer state), older ones keep the model and tokenizer, unless
+`keep_all_state` (the optimizer state is twice the model's size, and resume reads the latest).
 
 State dicts come from torch.distributed.checkpoint's `get_*_state_dict(full_state_dict=True)`, the
 same call for a plain module and an FSDP2-sharded one, so a checkpoint is unsharded and resumes
@@ -37,6 +40,17 @@ from k3.checkpoint.official import official_to_state_dict, read_safetensors, sav
 from k3.checkpoint.run_folder import list_checkpoints
 
 TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+RESUME_FILES = (OPTIMIZER_FILE, RNG_FILE, TRAINER_STATE)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (e.g. no space left); names the folder and the cause."""
+
+
+class ResumeStateError(ValueError):
+    """A checkpoint without the state `--resume` needs (weights-only, or damaged)."""
 
 
 def _rank0() -> bool:
@@ -53,26 +67,23 @@ def _full_options() -> StateDictOptions:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, trainer_state: dict,
-                    write_extras, *, keep: int) -> Path:
+                    write_extras, *, keep: int, keep_all_state: bool = False) -> Path:
     """Collective under torch.distributed (every rank calls it); rank 0 writes.
     `write_extras(folder)` adds files that are not training state (the tokenizer)."""
     model_sd = get_model_state_dict(model, options=_full_options())
     optim_sd = get_optimizer_state_dict(model, optimizer, options=_full_options())
     final = ckpt_root / f"step_{step:07d}"
     if _rank0():
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_root.glob(".step_*.tmp"):  # left by a process killed mid-write
-            shutil.rmtree(stale, ignore_errors=True)
         tmp = ckpt_root / f".{final.name}.tmp"
-        tmp.mkdir()
-        # official names from the gathered (full) state dict, not from the possibly sharded module
-        save_pretrained(model, tmp, tensors=state_dict_to_official(model, model_sd))
-        write_extras(tmp)
-        opt_tensors, groups = _flatten_optimizer(optim_sd)
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-        save_file(_rng_tensors(), str(tmp / "rng.safetensors"))
-        state = dict(trainer_state, step=step, scheduler=scheduler.state_dict(), param_groups=groups)
-        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+        try:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            for stale in ckpt_root.glob(".step_*.tmp"):  # left by a process killed mid-write
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+            _write_checkpoint(tmp, step, model, model_sd, optim_sd, scheduler, trainer_state, write_extras)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is only wasted space
+            raise CheckpointSaveError(f"cannot save checkpoint {final}: {e.strerror or e}") from None
         if final.exists():  # re-saving a step (resumed exactly at it): swap the old one out
             old = ckpt_root / f".{final.name}.old.tmp"
             final.rename(old)
@@ -80,21 +91,46 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, tra
             shutil.rmtree(old)
         else:
             tmp.rename(final)  # the commit point
-        for old in list_checkpoints(ckpt_root)[:-keep]:
+        kept = list_checkpoints(ckpt_root)
+        for old in kept[:-keep]:
             shutil.rmtree(old)
+        if not keep_all_state:
+            for older in kept[-keep:-1]:
+                for name in RESUME_FILES:
+                    (older / name).unlink(missing_ok=True)
     _barrier()
     return final
 
 
+def _write_checkpoint(tmp: Path, step: int, model, model_sd, optim_sd, scheduler, trainer_state: dict,
+                      write_extras) -> None:
+    # official names from the gathered (full) state dict, not from the possibly sharded module
+    save_pretrained(model, tmp, tensors=state_dict_to_official(model, model_sd))
+    write_extras(tmp)
+    opt_tensors, groups = _flatten_optimizer(optim_sd)
+    save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
+    save_file(_rng_tensors(), str(tmp / RNG_FILE))
+    state = dict(trainer_state, step=step, scheduler=scheduler.state_dict(), param_groups=groups)
+    (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+
+
+def has_resume_state(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in RESUME_FILES)
+
+
 def load_checkpoint(folder: Path, model, optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and RNG in place; returns the trainer state dict."""
+    if not has_resume_state(folder):
+        missing = [name for name in RESUME_FILES if not (folder / name).is_file()]
+        raise ResumeStateError(f"{folder} has no {', '.join(missing)}: only the latest checkpoint of a run keeps "
+                               f"the state to resume from")
     state = json.loads((folder / TRAINER_STATE).read_text())
     model_sd = official_to_state_dict(model.config, read_safetensors(folder))
     set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
-    optim_sd = _unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")), state["param_groups"])
+    optim_sd = _unflatten_optimizer(load_file(str(folder / OPTIMIZER_FILE)), state["param_groups"])
     set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(state["scheduler"])
-    _restore_rng(load_file(str(folder / "rng.safetensors")))
+    _restore_rng(load_file(str(folder / RNG_FILE)))
     return state
 
 

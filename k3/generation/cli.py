@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all (default)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where to run the model: cpu, cuda or cuda:N (default cpu)")
 
 
 def run(args) -> int:
@@ -37,8 +37,9 @@ def run(args) -> int:
         folder = resolve_checkpoint(args.run)
         tokenizer = load_tokenizer(folder)
         model = load_pretrained(folder, device=torch.device(args.device)).eval()
-    except (FileNotFoundError, KeyError, ValueError) as e:
-        print(f"k3 generate: error: {e}", file=sys.stderr)
+    except (OSError, KeyError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one: one line
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"k3 generate: error: {message}", file=sys.stderr)
         return 2
     cfg = model.config
     prompt = [cfg.bos_token_id] + tokenizer.encode(args.prompt).ids

@@ -9,7 +9,10 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
+from k3.checkpoint.run_folder import latest_checkpoint
+from k3.checkpoint.training_state import CheckpointSaveError, ResumeStateError
 from k3.config import ConfigError
 from k3.data.corpus import DataError
 from k3.train.trainer import BALANCE_RULES, Trainer, TrainError, TrainSettings
@@ -40,10 +43,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qat", action="store_true", default=None,
                    help="quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")
     p.add_argument("--eval-every", type=int, help=f"steps between evals and samples (default {d.eval_every})")
+    p.add_argument("--eval-windows", type=int, help="validation windows per eval, the same ones every time "
+                                                     "(default: all of the validation split)")
     p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
-    p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep})")
+    p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep}); only the latest keeps the "
+                                          "optimizer state --resume needs, older ones the model and tokenizer")
+    p.add_argument("--keep-all-state", action="store_true", default=None,
+                   help="keep the optimizer/RNG state in every kept checkpoint, not only the latest")
     p.add_argument("--seed", type=int, help=f"(default {d.seed})")
-    p.add_argument("--device", help=f"cpu or cuda (default {d.device})")
+    p.add_argument("--device", help=f"where to train: cpu, cuda or cuda:N (default {d.device}; under torchrun "
+                                    "each rank takes its own GPU)")
     p.add_argument("--cache-dir", help="tokenizer/token cache (default $K3_CACHE_DIR or ~/.cache/k3)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -63,6 +72,17 @@ def _settings(args) -> TrainSettings:
     return dataclasses.replace(_DEFAULTS, **changes, overrides=overrides)
 
 
+def interrupt_advice(run_dir, ckpt_every: int) -> str:
+    """What an interrupted run can do next. A Ctrl-C can land inside an optimizer step, so the
+    state at that moment is not saved: resume continues from the latest complete checkpoint."""
+    found = latest_checkpoint(Path(run_dir) / "checkpoints")
+    if found is None:
+        return (f"interrupted before the first checkpoint (one every {ckpt_every} steps): nothing to resume; "
+                f"start the run again ({run_dir} can be deleted)")
+    step = int(found.name.removeprefix("step_"))
+    return f"interrupted; continue from step {step} with: k3 train --resume {run_dir}"
+
+
 def run(args) -> int:
     try:
         if args.resume:
@@ -73,15 +93,18 @@ def run(args) -> int:
             trainer = Trainer.from_run(args.resume, progress=not args.no_progress)
         else:
             trainer = Trainer(_settings(args), progress=not args.no_progress)
-    except (TrainError, DataError, ConfigError) as e:
+    except (TrainError, DataError, ConfigError, ResumeStateError) as e:
         print(f"k3 train: error: {e}", file=sys.stderr)
         return 2
     try:
         result = trainer.train()
     except KeyboardInterrupt:
         if trainer.world.is_main:
-            print(f"\ninterrupted; continue with: k3 train --resume {trainer.run_dir}", file=sys.stderr)
+            print(f"\n{interrupt_advice(trainer.run_dir, trainer.s.ckpt_every)}", file=sys.stderr)
         return 130
+    except CheckpointSaveError as e:
+        print(f"k3 train: error: {e}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     if trainer.world.is_main:

@@ -1,7 +1,8 @@
 """Run observability: metrics.jsonl (one JSON object per event), loss.png and report.md.
 
 Records: {"kind": "train", step, loss, lr, grad_norm, tokens, tok_per_s, elapsed, max_load},
-{"kind": "eval", step, val_loss, val_bpb, val_tokens}, {"kind": "sample", step, prompt, text}.
+{"kind": "eval", step, val_loss, val_bpb, val_tokens, val_bytes} (every eval reads the same held-out
+windows, so val figures of one run are comparable), {"kind": "sample", step, prompt, text}.
 `step` counts completed optimizer steps. On resume the file is cut back to the checkpoint's step,
 so it always describes one uninterrupted run.
 """
@@ -58,7 +59,9 @@ class MetricsLog:
         write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in records))
 
 
-def plot_losses(records: list[dict], path: Path) -> None:
+def loss_figure(records: list[dict], title: str = "k3 train"):
+    """Train loss per step and val loss per eval. Evals over different numbers of held-out tokens
+    are not comparable, so each size is its own labelled series."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -67,14 +70,24 @@ def plot_losses(records: list[dict], path: Path) -> None:
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train loss")
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train loss (batch)")
+    for n in sorted({r.get("val_tokens") for r in evals}, key=lambda n: n or 0):
+        series = [r for r in evals if r.get("val_tokens") == n]
+        label = f"val loss ({n:,} held-out tokens)" if n else "val loss"
+        ax.plot([r["step"] for r in series], [r["val_loss"] for r in series], "o-", label=label)
+    ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_losses(records: list[dict], path: Path, title: str = "k3 train") -> None:
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(records, title)
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)
 

@@ -49,6 +49,7 @@ from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, wr
 from k3.train.muon import PerHeadMuon, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, pack, window, windows_for_step
 from k3.train.parallel import World, all_reduce_sum, init_world, shard_model, shutdown
+from k3.train.progress import Progress
 from k3.train.schedule import warmup_cosine
 
 RUN_FILE = "run.json"
@@ -76,11 +77,12 @@ class TrainSettings:
     compile: bool = False  # torch.compile norms, mixers, FFNs and AttnRes reads (k3.regional_compile); for CUDA runs
     val_fraction: float = 0.02  # the bundled corpus: 1 of 42 works
     eval_every: int = 100
-    eval_windows: int = 16  # windows of the periodic eval; the final eval reads all of val
+    eval_windows: int | None = None  # val windows per eval; None: all of val, the same tokens every eval
     sample_tokens: int = 80
     sample_prompts: tuple[str, ...] = ("To be, or not to be", "KING.\n")
     ckpt_every: int = 100
     keep: int = 3
+    keep_all_state: bool = False  # optimizer/RNG state in every kept checkpoint, not only the latest
     seed: int = 0
     device: str = "cpu"
     cache_dir: str | None = None  # tokenizer/token cache; None: $K3_CACHE_DIR or ~/.cache/k3
@@ -111,6 +113,7 @@ def _validate(s: TrainSettings, world: World, max_positions: int, vocab_size: in
     need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
     need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
     need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
+    need(s.eval_windows is None or s.eval_windows >= 1, f"eval windows must be >= 1, got {s.eval_windows}")
     need(isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size >= MIN_VOCAB_SIZE,
          f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (the byte-level BPE's special + 256 byte tokens), "
          f"got {vocab_size!r}")
@@ -213,6 +216,8 @@ class Trainer:
                 state = ckpt.load_checkpoint(found, self.model, self.optimizer, self.scheduler)
                 self.step, self.elapsed, self.tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
                 self.log(f"resumed {self.run_dir} at step {self.step} from {found.name}")
+            else:
+                self.log(f"{self.run_dir} has no complete checkpoint: starting from step 0 with its saved settings")
             if self.world.is_main:
                 self.metrics.truncate_after(self.step)
         self.balance_rule = None if settings.balance == "none" else settings.balance
@@ -245,6 +250,8 @@ class Trainer:
                 ok = isinstance(value, list) and all(isinstance(p, str) for p in value)
             elif name in ("data", "out", "cache_dir"):
                 ok = value is None or isinstance(value, str)
+            elif name == "eval_windows":
+                ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
             elif isinstance(default, bool):
                 ok = isinstance(value, bool)
             elif isinstance(default, float):
@@ -332,7 +339,8 @@ class Trainer:
         state = {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "data_position": self.step * self.s.batch_size,
                  "world_size": self.world.size, "settings": dataclasses.asdict(self.s)}
         return ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer,
-                                    self.scheduler, state, lambda d: save_tokenizer(self.tokenizer, d), keep=self.s.keep)
+                                    self.scheduler, state, lambda d: save_tokenizer(self.tokenizer, d), keep=self.s.keep,
+                                    keep_all_state=self.s.keep_all_state)
 
     def _record(self, records: list[dict]) -> None:
         if self.world.is_main:
@@ -343,11 +351,7 @@ class Trainer:
         """Run to `steps`; returns the final eval record plus where things went."""
         s = self.s
         self.elapsed += time.perf_counter() - self._created
-        bar = None
-        if self.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=s.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        bar = Progress(s.steps, self.step, log=self.log) if self.progress else None
         last_ckpt = latest_checkpoint(self.run_dir / "checkpoints")
         try:
             while self.step < s.steps:
@@ -358,15 +362,15 @@ class Trainer:
                 record.update(tok_per_s=round(s.batch_size * s.seq_len / dt), elapsed=round(self.elapsed, 2))
                 self._record([record])
                 if bar is not None:
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=record["tok_per_s"], lr=f"{record['lr']:.2e}")
-                    bar.update(1)
+                    bar.update(self.step, record)
                 if self.step % s.eval_every == 0 and self.step < s.steps:
                     t1 = time.perf_counter()
                     ev = self.evaluate(s.eval_windows)
                     self._record([ev, *self.samples()])
                     self.elapsed += time.perf_counter() - t1
                     if bar is not None:
-                        bar.write(f"step {self.step}: val loss {ev['val_loss']:.4f}, val bpb {ev['val_bpb']:.4f}")
+                        bar.write(f"step {self.step}: val loss {ev['val_loss']:.4f}, val bpb {ev['val_bpb']:.4f} "
+                                  f"({ev['val_tokens']:,} held-out tokens)")
                 if self.step % s.ckpt_every == 0 or self.step == s.steps:
                     t1 = time.perf_counter()
                     last_ckpt = self._save()
@@ -375,14 +379,15 @@ class Trainer:
             if bar is not None:
                 bar.close()
         t1 = time.perf_counter()
-        final = self.evaluate()
+        final = self.evaluate(s.eval_windows)
         samples = self.samples()
         self.elapsed += time.perf_counter() - t1
         if self.world.is_main:
             records = [r for r in self.metrics.read() if not (r["step"] == self.step and r["kind"] != "train")]
             records += [final, *samples]
             self.metrics.rewrite(records)
-            plot_losses(records, self.run_dir / PLOT_FILE)
+            plot_losses(records, self.run_dir / PLOT_FILE,
+                        title=f"{self.run_dir.name}: {self.params['total'] / 1e6:.1f}M-parameter {Path(s.config).stem}")
             write_report(self.run_dir / REPORT_FILE, settings=dataclasses.asdict(s), params=self.params,
                          records=records, wall_time_s=self.elapsed, checkpoint=last_ckpt)
         return {**final, "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt), "samples": samples,

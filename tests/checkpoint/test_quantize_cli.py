@@ -42,4 +42,5 @@ def test_quantize_verb(tmp_path, capsys):
     # refusals: an already packed input, a non-empty output
     assert _quantize(tmp_path / "mx", tmp_path / "again") == 2
     assert _quantize(tmp_path / "dense", tmp_path / "mx") == 2
-    assert "already quantized" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "k3 quantize: error: " in err and "already quantized" in err

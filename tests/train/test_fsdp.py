@@ -25,7 +25,7 @@ def test_two_process_fsdp_matches_one_process_and_resumes_single(tmp_path):
     argv = ["--config", settings.config, "--data", settings.data, "--out", settings.out, "--steps", "4",
             "--batch-size", str(settings.batch_size), "--seq-len", str(settings.seq_len), "--lr", str(settings.lr),
             "--eval-every", "4", "--ckpt-every", "2", "--keep", "3", "--balance", "histogram",
-            "--cache-dir", settings.cache_dir, "--no-progress"]
+            "--cache-dir", settings.cache_dir, "--no-progress", "--keep-all-state"]  # resumed below from step 2
     # the 2-process run through the CLI; the single-process run then reads its run.json (same settings exactly)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

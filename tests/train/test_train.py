@@ -24,7 +24,7 @@ from tests.helpers.train import REPO, losses, quiet, tiny_settings
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    settings = tiny_settings(root, "ref")
+    settings = tiny_settings(root, "ref", eval_windows=None)  # every eval reads all of val
     result = Trainer(settings, progress=False, log=quiet).train()
     return root, settings, result
 
@@ -40,13 +40,20 @@ def test_run_writes_everything(reference_run):
     for name in ("config.json", "model.safetensors.index.json", "tokenizer.json", "optimizer.safetensors",
                  "rng.safetensors", "trainer_state.json"):
         assert (last / name).is_file(), name
+    older = run / "checkpoints" / "step_0000004"  # weights and tokenizer only: resume reads the latest
+    assert sorted(p.name for p in older.iterdir()) == [
+        "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer_config.json"]
     state = json.loads((last / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["data_position"] == 6 * settings.batch_size
     curve = losses(run)
     assert len(curve) == 6 and curve[-1] < curve[0]
-    # bits per byte: the final eval covers every byte of the val documents
+    # bits per byte: every eval covers every byte of the val documents, so evals are comparable
     _, val = split_documents(load_documents(settings.data), settings.val_fraction)
     assert result["val_bytes"] == sum(len(d.text.encode()) for d in val)
+    evals = [r for r in MetricsLog(run).read() if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert {(r["val_tokens"], r["val_bytes"]) for r in evals} == {(result["val_tokens"], result["val_bytes"])}
     assert 0 < result["val_bpb"] < 8
     report = (run / "report.md").read_text()
     assert "bits per byte" in report and "tokens seen" in report and "Samples" in report
