@@ -15,10 +15,9 @@ each is five kernels (cast, square, mean, rsqrt, scale), in a k3-1b decode step 
 
 The AttnRes reads are the other memory-bound part: in eager each read is a matrix-vector product
 per source plus a multiply-add per source, all fp32 (2 reads per layer over up to 9 sources; in a
-k3-1b decode step, 216 GEMVs and their split-K reductions take a fifth of the GPU time,
-docs/BENCHMARKS.md). One function serves every read; it is traced once per number of sources,
-grad mode and kind of length (the list's length is part of the graph), so the recompile limit must
-cover them all.
+k3-1b decode step, 216 GEMVs and their split-K reductions take a fifth of the GPU time). One
+function serves every read; it is traced once per number of sources, grad mode and kind of length
+(the list's length is part of the graph), so the recompile limit must cover them all.
 """
 from __future__ import annotations
 

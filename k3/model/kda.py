@@ -138,10 +138,10 @@ class KimiDeltaAttention(KeepsFP32):
                     state: KDAState | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """q, k, v [B, T, H, K] = SiLU(causal conv(proj x)), and the new conv tails [N, 3C, W-1]
         when there is a state. Three convs, from which fla's conv returns each stream contiguous:
-        fla's KDA kernels copy strided inputs, and one conv over the concatenated streams cost 1.15 ms of
-        copies and concatenations in an 18.1 ms fwd+bwd at 64K tokens on the H200 (run 30). A
-        decode step (one token per sequence) runs one conv instead: its cost is kernel launches,
-        not bytes, and the single conv reads and writes the state's tails in one piece."""
+        fla's KDA kernels copy strided inputs, and one conv over the concatenated streams spent some
+        6% of a 64K-token fwd+bwd on copies and concatenations. A decode step (one token per
+        sequence) runs one conv instead: its cost is kernel launches, not bytes, and the single conv
+        reads and writes the state's tails in one piece."""
         T = x.shape[1]
         H, K = self.num_heads, self.head_dim
         projs, convs = (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d)

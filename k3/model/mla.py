@@ -41,10 +41,9 @@ MLA_LATENT_NORM_EPS = 1e-6
 # prefix, chunked prefill, a serving step's documents), where nearly every call has a (query, key)
 # shape not seen before. The default choice for MLA's shapes on the H200 is cuDNN's SDPA, which
 # builds an execution plan for each new shape: a fresh server's first packed step of 32 documents
-# took 5.6-9.6 s against 0.08 s warm (docs/BENCHMARKS.md run 28: SDPA 9.8 s of a 20.2 s first round
-# under cProfile; 0.09 s in run 29 with this rule). Masked calls therefore use the kernels that need
-# no plan: on CUDA the memory-efficient one (flash takes no mask, nor d_qk != d_v), on CPU flash; so
-# a cached prefill and the same prefill without a cache may differ by bf16 rounding. Unmasked calls
+# took seconds against 0.08 s warm, nearly all of it planning (docs/LOG.md). Masked calls therefore
+# use the kernels that need no plan: on CUDA the memory-efficient one (flash takes no mask, nor
+# d_qk != d_v), on CPU flash; so a cached prefill and the same prefill without a cache may differ by bf16 rounding. Unmasked calls
 # (training) keep the default choice: a uniform batch repeats one shape, so its plans are reused (a
 # packed row's documents do vary in length; what cuDNN's plans cost training there is not measured).
 MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

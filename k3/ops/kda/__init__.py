@@ -11,9 +11,9 @@ Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same func
 "auto" picks fla for half-precision values (bf16, fp16) on CUDA when it imports, else recurrent
 when every sequence is one token long, else chunk; it logs each choice once. fp32 stays on the torch
 paths on CUDA too: Triton's fp32 `tl.dot` rounds operands to TF32, so fla's kernels on fp32 inputs
-land 5e-4..3e-3 from the fp32 reference (H200, docs/BENCHMARKS.md 2026-12-03), while torch's fp32
-matmuls are IEEE (torch leaves `allow_tf32` off). fp32 is the precision of references and checks;
-speed comes with bf16.
+land 5e-4..3e-3 from the fp32 reference (on an H200; docs/LOG.md), while torch's fp32 matmuls are
+IEEE (torch leaves `allow_tf32` off). fp32 is the precision of references and checks; speed comes
+with bf16.
 `update_state_in_place=True` (forward-only decode) writes the final state into `initial_state` and
 returns that same tensor: the state keeps its address, as CUDA-graph replay needs, and the fla
 decode kernel writes it directly instead of allocating and copying.

@@ -7,8 +7,8 @@ fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
   (`use_gate_in_kernel`, with `A_log` [H], `dt_bias` [H*K] and `lower_bound`: the same two forms as
   `k3.ops.kda.gate`); otherwise `g` arrives activated. A lower-bounded gate (in [lb, 0), lb >= -5 by
   config validation) also takes `safe_gate`, fla's M=16 TensorCore path for bounded gates; it
-  passed the GPU prefix-invariance check of fla issue #1240 (exactly 0, 2026-12-03) and its accuracy
-  is checked against the torch reference (bench/gpu_checks.py). q/k's L2 norm runs in the kernels
+  is prefix-invariant (fla issue #1240: exactly 0) and accurate against the torch reference, both
+  checked by the GPU tests (tests/ops/test_kda_fla.py). q/k's L2 norm runs in the kernels
   with `normalize_qk` (`use_qk_l2norm_in_kernel`: x / sqrt(sum x^2 + 1e-6) in fp32, our formula and
   eps); beta arrives post-sigmoid: `use_beta_sigmoid_in_kernel=False`.
 - dtypes as fla's own layer hands them over: q/k in v's dtype; beta as it comes (the layer's fp32
@@ -78,7 +78,7 @@ def kda_fla(
     # Only a uniform [N, 1] batch takes the decode kernel; packed rows always run chunk_kda, which
     # handles one-token sequences too. Telling a packed batch of one-token rows apart would read the
     # lengths back to the host in every KDA layer of every packed step, and inside a compiled region
-    # that read breaks the graph (run 17's log). The engine sends decode-only steps as [N, 1].
+    # that read is a graph break. The engine sends decode-only steps as [N, 1].
     decode = cu_seqlens is None and q.shape[1] == 1 and not needs_grad
     if decode and update_state_in_place:
         # writes into initial_state (the caller's, as k3.ops.kda checked it is contiguous fp32);
