@@ -4,21 +4,24 @@
 
 In one run: the default `k3 train` (k3-tiny, bundled corpus) for `--steps` steps alone, then beside
 one busy competing process (`python -c "while True: pass"`); the same for one greedy reply of
-`--reply-tokens` tokens from `k3.serve.engine.LLMEngine` on a randomly initialized k3-tiny. Each
-measurement is a fresh subprocess, so it picks its threads exactly as `k3` does (pass `--threads`
-to try another count; `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment reach it too).
-Training time is the mean of the steps after the first (which warms up allocators); the reply
-time follows one short warm-up reply. The table comes last: quiet, contended, their ratio, and
+`--reply-tokens` tokens from `k3 serve` (serving the first training run's checkpoint on a free
+loopback port), timed as an HTTP client sees it. Training runs and the server are `k3`
+subprocesses, so they pick their threads exactly as `k3` does (pass `--threads` to try another
+count; `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment reach them too). Training time is
+the mean of the steps after the first (which warms up allocators); the replies follow one short
+warm-up reply. The table comes last: quiet, contended, their ratio, and
 whether the ratio is within the bar (<= 2x).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 BAR = 2.0
@@ -42,37 +45,57 @@ def train_seconds_per_step(steps: int, threads: str | None, out: Path) -> float:
     return sum(times) / len(times)
 
 
-def reply_seconds(tokens: int, threads: str | None) -> float:
-    cmd = [sys.executable, "-m", "bench.cpu_contention", "--reply-worker", "--reply-tokens", str(tokens),
-           *(["--threads", threads] if threads else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"bench.cpu_contention: the reply worker failed:\n{proc.stderr[-2000:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-def _reply_worker(tokens: int, threads: str | None) -> None:
-    """One greedy reply on a random k3-tiny through the serving engine; prints its seconds."""
-    from k3.threads import configure
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
 
-    print(configure(threads).describe(), file=sys.stderr)  # before torch loads, as `k3` does
-    import torch
 
-    from k3.config import load_config
-    from k3.model.transformer import K3ForCausalLM
-    from k3.serve.engine import EngineConfig, LLMEngine
-    from k3.serve.sampling import SamplingParams
+class Server:
+    """`k3 serve --run RUN` on a free loopback port (it picks its threads as `k3` does)."""
 
-    torch.manual_seed(0)
-    model = K3ForCausalLM(load_config("k3-tiny")).eval()
-    engine = LLMEngine(model, EngineConfig(cuda_graphs=False))
-    prompt = torch.randint(0, model.config.vocab_size, (32,)).tolist()
-    engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    out = engine.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-    elapsed = time.perf_counter() - start
-    assert len(out[0]) == tokens, len(out[0])
-    print(f"{elapsed:.3f}")
+    def __init__(self, run: Path, threads: str | None):
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "k3", *(["--threads", threads] if threads else []), "serve", "--run", str(run),
+               "--port", port, "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                sys.exit(f"bench.cpu_contention: `{' '.join(cmd)}` exited:\n{self.proc.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    sys.exit("bench.cpu_contention: the server did not answer /health within 120 s")
+                time.sleep(0.25)
+        self.model = json.loads(urllib.request.urlopen(self.url + "/v1/models").read())["data"][0]["id"]
+
+    def reply_seconds(self, tokens: int) -> float:
+        """One greedy /v1/completions reply of exactly `tokens` tokens, timed as the client sees it."""
+        body = {"model": self.model, "prompt": "To be, or not to be", "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}
+        start = time.perf_counter()
+        reply = _post(self.url + "/v1/completions", body)
+        elapsed = time.perf_counter() - start
+        assert reply["usage"]["completion_tokens"] == tokens, reply["usage"]
+        return elapsed
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def _measure(fn):
@@ -92,16 +115,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="training steps per measurement (default 8)")
     ap.add_argument("--reply-tokens", type=int, default=256, help="tokens in the timed reply (default 256)")
     ap.add_argument("--threads", help="passed to `k3 --threads` (default: k3's own choice)")
-    ap.add_argument("--reply-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.reply_worker:
-        _reply_worker(args.reply_tokens, args.threads)
-        return
     with tempfile.TemporaryDirectory() as tmp:
         runs = iter(range(1_000))
         train = _measure(lambda: train_seconds_per_step(args.steps, args.threads, Path(tmp) / f"run{next(runs)}"))
-    reply = _measure(lambda: reply_seconds(args.reply_tokens, args.threads))
-    rows = [(f"k3 train, s/step ({args.steps} steps)", *train), (f"{args.reply_tokens}-token reply, s", *reply)]
+        server = Server(Path(tmp) / "run0", args.threads)  # serves the first training run's checkpoint
+        try:
+            server.reply_seconds(8)  # warm-up
+            reply = _measure(lambda: server.reply_seconds(args.reply_tokens))
+        finally:
+            server.close()
+    rows = [(f"k3 train, s/step ({args.steps} steps)", *train), (f"{args.reply_tokens}-token k3 serve reply, s", *reply)]
     print(f"\nthreads: {args.threads or 'k3 default'}; competitor: one `python -c \"{BUSY}\"`")
     print(f"{'':32} {'quiet':>8} {'contended':>10} {'ratio':>6}  bar (<= {BAR:g}x)")
     for name, quiet, contended in rows:

@@ -16,7 +16,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--run", help="a `k3 train` run folder (serves its latest checkpoint)")
     src.add_argument("--model", help="an HF-layout checkpoint folder (K3 or Kimi Linear)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where to run the model: cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     d = EngineConfig()
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per MLA page")
