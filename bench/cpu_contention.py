@@ -65,11 +65,13 @@ class Server:
         port = self.url.rsplit(":", 1)[1]
         cmd = [sys.executable, "-m", "k3", *(["--threads", threads] if threads else []), "serve", "--run", str(run),
                "--port", port, "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: an unread pipe can fill and block
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                sys.exit(f"bench.cpu_contention: `{' '.join(cmd)}` exited:\n{self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                sys.exit(f"bench.cpu_contention: `{' '.join(cmd)}` exited:\n{self.log.read()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     break
@@ -96,6 +98,7 @@ class Server:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 def _measure(fn):

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     module_name, help_text = COMMANDS[rest[0]]
     module = importlib.import_module(module_name)
-    verb = argparse.ArgumentParser(prog=f"k3 {rest[0]}", description=help_text)
+    # no abbreviations: `--thr 2` would reach the verb's listed --threads after the choice was made
+    verb = argparse.ArgumentParser(prog=f"k3 {rest[0]}", description=help_text, allow_abbrev=False)
     module.add_arguments(verb)
     _threads_option(verb)  # listed in the verb's --help; taken out of argv above
     args = verb.parse_args(rest[1:])

@@ -116,6 +116,13 @@ def _positive_int(value: str | int, what: str) -> int:
     return n
 
 
+def _torchrun_default(environ) -> bool:
+    """torchrun sets OMP_NUM_THREADS=1 for every rank of a multi-rank job when the user did not set
+    it; that is its placeholder, not a choice, so the per-rank share of the host's CPUs applies."""
+    return (bool(environ.get("TORCHELASTIC_RUN_ID")) and environ.get("OMP_NUM_THREADS") == "1"
+            and int(environ.get("LOCAL_WORLD_SIZE") or 1) > 1)
+
+
 def choose(cli_threads: int | str | None = None, environ=None, cpus: int | None = None) -> ThreadChoice:
     """The thread count and wait policy for this process, without changing anything."""
     environ = os.environ if environ is None else environ
@@ -124,7 +131,8 @@ def choose(cli_threads: int | str | None = None, environ=None, cpus: int | None 
         threads, source = _positive_int(cli_threads, "--threads"), "--threads"
     elif environ.get("K3_NUM_THREADS"):
         threads, source = _positive_int(environ["K3_NUM_THREADS"], "K3_NUM_THREADS"), "K3_NUM_THREADS"
-    elif environ.get("OMP_NUM_THREADS") and environ.get("OMP_NUM_THREADS") != environ.get(WRITTEN_MARK):
+    elif environ.get("OMP_NUM_THREADS") and environ.get("OMP_NUM_THREADS") != environ.get(WRITTEN_MARK) \
+            and not _torchrun_default(environ):
         threads, source = _positive_int(environ["OMP_NUM_THREADS"], "OMP_NUM_THREADS"), "OMP_NUM_THREADS"
     else:
         local_ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1))

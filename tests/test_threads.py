@@ -19,13 +19,15 @@ PASSIVE = "OMP_WAIT_POLICY=PASSIVE"
 def _clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "K3_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LOCAL_WORLD_SIZE",
-                                  "K3_CHOSE_OMP_NUM_THREADS")}
+                                  "K3_CHOSE_OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID")}
     return {**env, **extra}
 
 
 @pytest.mark.parametrize("cli, env, expected", [
     (None, {}, ThreadChoice(7, 8, "auto", PASSIVE)),
     (None, {"LOCAL_WORLD_SIZE": "4"}, ThreadChoice(2, 8, "auto", PASSIVE)),
+    (None, {"LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1"},
+     ThreadChoice(2, 8, "auto", PASSIVE)),
     (None, {"OMP_NUM_THREADS": "3"}, ThreadChoice(3, 8, "OMP_NUM_THREADS", PASSIVE)),
     (None, {"OMP_NUM_THREADS": "4,2"}, ThreadChoice(4, 8, "OMP_NUM_THREADS", PASSIVE)),
     (None, {"OMP_NUM_THREADS": "3", "K3_NUM_THREADS": "5"}, ThreadChoice(5, 8, "K3_NUM_THREADS", PASSIVE)),
@@ -33,7 +35,7 @@ def _clean_env(**extra) -> dict:
     (None, {"OMP_WAIT_POLICY": "active"}, ThreadChoice(7, 8, "auto", "OMP_WAIT_POLICY=active")),
     (None, {"GOMP_SPINCOUNT": "1000"}, ThreadChoice(7, 8, "auto", "GOMP_SPINCOUNT=1000")),
     (None, {"OMP_NUM_THREADS": "3", "K3_CHOSE_OMP_NUM_THREADS": "3"}, ThreadChoice(7, 8, "auto", PASSIVE)),
-], ids=["auto", "torchrun-4-ranks", "omp", "omp-nested", "k3-over-omp", "cli-over-all", "user-wait", "user-spin",
+], ids=["auto", "torchrun-4-ranks", "torchrun-placeholder-omp", "omp", "omp-nested", "k3-over-omp", "cli-over-all", "user-wait", "user-spin",
         "k3-wrote-omp"])
 def test_choice_and_precedence(cli, env, expected):
     assert choose(cli, env, cpus=8) == expected

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -81,9 +82,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, tra
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
             _write_checkpoint(tmp, step, model, model_sd, optim_sd, scheduler, trainer_state, write_extras)
-        except OSError as e:
+        except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error type
             shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is only wasted space
-            raise CheckpointSaveError(f"cannot save checkpoint {final}: {e.strerror or e}") from None
+            raise CheckpointSaveError(f"cannot save checkpoint {final}: {getattr(e, 'strerror', None) or e}") from None
         if final.exists():  # re-saving a step (resumed exactly at it): swap the old one out
             old = ckpt_root / f".{final.name}.old.tmp"
             final.rename(old)

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")
     p.add_argument("--eval-every", type=int, help=f"steps between evals and samples (default {d.eval_every})")
     p.add_argument("--eval-windows", type=int, help="validation windows per eval, the same ones every time "
-                                                     "(default: all of the validation split)")
+                                                     "(default: all of the validation split, up to 262,144 tokens)")
     p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
     p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep}); only the latest keeps the "
                                           "optimizer state --resume needs, older ones the model and tokenizer")

@@ -55,6 +55,9 @@ from k3.train.schedule import warmup_cosine
 RUN_FILE = "run.json"
 BALANCE_RULES = ("quantile", "histogram", "sign", "none")
 EVAL_ROW_TOKENS = 4096  # tokens per eval forward (no backward, so rows can be long)
+# a default eval reads the whole validation split up to this many tokens (the bundled play is 45,602), so
+# a large user corpus does not spend more time evaluating than training; the same tokens every eval
+MAX_EVAL_TOKENS = 262_144
 
 
 @dataclass
@@ -77,7 +80,7 @@ class TrainSettings:
     compile: bool = False  # torch.compile norms, mixers, FFNs and AttnRes reads (k3.regional_compile); for CUDA runs
     val_fraction: float = 0.02  # the bundled corpus: 1 of 42 works
     eval_every: int = 100
-    eval_windows: int | None = None  # val windows per eval; None: all of val, the same tokens every eval
+    eval_windows: int | None = None  # val windows per eval; None: all of val up to MAX_EVAL_TOKENS; same ones every eval
     sample_tokens: int = 80
     sample_prompts: tuple[str, ...] = ("To be, or not to be", "KING.\n")
     ckpt_every: int = 100
@@ -305,11 +308,12 @@ class Trainer:
     # ------------------------------------------------------------------ eval and samples
     @torch.no_grad()
     def evaluate(self, max_windows: int | None = None) -> dict:
-        """Val loss (nats/token) and bits per byte over the first `max_windows` val windows (all by
-        default). Every rank evaluates the same windows: FSDP's forward is a collective."""
+        """Val loss (nats/token) and bits per byte over the first `max_windows` val windows (default:
+        as many as MAX_EVAL_TOKENS holds). Every rank evaluates the same windows: FSDP's forward is a
+        collective."""
         T = self.s.seq_len
         n = self.val_data.num_windows(T, partial=True)
-        n = n if max_windows is None else min(n, max_windows)
+        n = min(n, -(-MAX_EVAL_TOKENS // T) if max_windows is None else max_windows)
         per_batch = max(1, EVAL_ROW_TOKENS // T)
         self.model.eval()
         nats, tokens, nbytes = 0.0, 0, 0

@@ -6,6 +6,7 @@ import errno
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from k3.checkpoint import training_state as ckpt
 from k3.checkpoint.run_folder import list_checkpoints
@@ -41,6 +42,20 @@ def test_full_disk_removes_the_temp_folder_and_names_the_cause(tmp_path, monkeyp
     assert str(err.value) == f"cannot save checkpoint {root / 'step_0000002'}: No space left on device"
     assert sorted(p.name for p in root.iterdir()) == ["step_0000001"]  # no temp folder left behind
     assert ckpt.has_resume_state(root / "step_0000001")
+
+
+def test_a_safetensors_write_error_is_a_save_error_too(tmp_path, monkeypatch):
+    """safetensors reports I/O failures (a full disk) as SafetensorError, not OSError."""
+    parts = _parts()
+    root = tmp_path / "checkpoints"
+
+    def failing(tensors, path, *a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt, "save_file", failing)
+    with pytest.raises(ckpt.CheckpointSaveError, match="No space left on device"):
+        _save(root, 1, parts, keep=3)
+    assert list(root.iterdir()) == []  # no temp folder left behind
 
 
 @pytest.mark.parametrize("keep_all_state", [False, True], ids=["latest-only", "keep-all"])
