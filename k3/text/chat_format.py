@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from k3.text.tokenizer import special_ids
+from k3.text.partial_match import held_back
+from k3.text.tokenizer import encode_text, special_ids
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -77,8 +78,7 @@ class ChatFormat:
 
     def _turn(self, role: str, text: str, close: bool = True) -> list[int]:
         ids = [self.open] + self.tokenizer.encode(role, add_special_tokens=False).ids + [self.sep]
-        # encode_batch releases the GIL (encode holds it), so a long message does not stall the server's event loop
-        ids += self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+        ids += encode_text(self.tokenizer, text) if text else []
         return ids + [self.close] if close else ids
 
     def message_text(self, message: dict) -> tuple[str, str]:
@@ -179,7 +179,7 @@ class ReplyParser:
                 self._buf = self._buf[at + len(tag):]
                 self.state = {THINK_OPEN: "think", THINK_CLOSE: "content", TOOL_OPEN: "tool"}[tag]
                 continue
-            hold = max((k for t in tags for k in range(1, len(t)) if self._buf.endswith(t[:k])), default=0)
+            hold = max(held_back(self._buf, t) for t in tags)
             self._emit(kind, self._buf[:len(self._buf) - hold])
             self._buf = self._buf[len(self._buf) - hold:]
             break

@@ -93,3 +93,9 @@ def tokenizer_fingerprint(texts: list[str], vocab_size: int) -> str:
     for t in texts:
         h.update(hashlib.sha256(t.encode()).digest())
     return h.hexdigest()[:16]
+
+
+def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text` without special tokens. encode_batch releases the GIL while it works
+    (encode holds it), so a long text does not stall a server's event loop."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids

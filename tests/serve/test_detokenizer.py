@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.serve.detokenizer import IncrementalDetokenizer, held_back
+from k3.serve.detokenizer import IncrementalDetokenizer
+from k3.text.partial_match import held_back
 from k3.text.tokenizer import train_tokenizer
 
 

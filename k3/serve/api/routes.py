@@ -23,6 +23,7 @@ from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
 from k3.text.chat_format import ChatFormat, ReplyParser
+from k3.text.tokenizer import encode_text
 
 
 @dataclass
@@ -203,11 +204,6 @@ def _completion_logprobs(tok: Tokenizer, deltas: list[StreamDelta], offset: int)
 
 
 # ---------------------------------------------------------------------- endpoints
-def _encode(tok: Tokenizer, text: str) -> list[int]:
-    # encode_batch releases the GIL while it works (encode does not): the event loop stays live
-    return tok.encode_batch([text], add_special_tokens=False)[0].ids
-
-
 @router.get("/health", responses={503: {"description": "the engine has stopped",
                                         "content": {"application/json": {"schema": {
                                             "type": "object", "properties": {"status": {"type": "string"},
@@ -243,7 +239,7 @@ async def completions(body: CompletionRequest, request: Request):
     t0 = time.monotonic()
     _check_model(ctx, body.model)
     prompt = body.prompt
-    ids = await asyncio.to_thread(_encode, ctx.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+    ids = await asyncio.to_thread(encode_text, ctx.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, "the prompt encodes to no tokens", param="prompt")
     params = _sampling(ctx, body, len(ids), body.max_tokens, body.logprobs, [])
