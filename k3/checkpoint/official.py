@@ -23,10 +23,17 @@ INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 
 
-
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read (truncated, corrupted, not safetensors/JSON); the
     message names the file."""
+
+
+class CheckpointMismatchError(CheckpointError, KeyError):
+    """Tensors missing, unexpected or misnamed for the config. A KeyError (a name lookup failed) and a
+    CheckpointError, so verbs report it like any bad checkpoint, without KeyError's quotes."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
@@ -67,7 +74,7 @@ def official_to_state_dict(config: K3Config, tensors: dict[str, torch.Tensor]) -
         if prefix and not name.startswith(prefix):
             if name.startswith(("vision_tower.", "mm_projector.")):
                 continue  # the vision encoder is not part of the text model
-            raise KeyError(f"tensor {name!r} lacks the expected prefix {prefix!r}")
+            raise CheckpointMismatchError(f"tensor {name!r} lacks the expected prefix {prefix!r}")
         out[name[len(prefix):]] = tensor
     out = _stack_experts(out)
     if config.tie_word_embeddings and "lm_head.weight" not in out:
@@ -88,7 +95,7 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, per_expert in groups.items():
         if sorted(per_expert) != list(range(len(per_expert))):
             missing = sorted(set(range(max(per_expert) + 1)) - set(per_expert))
-            raise KeyError(f"{name}: experts {missing[:8]} missing from the checkpoint")
+            raise CheckpointMismatchError(f"{name}: experts {missing[:8]} missing from the checkpoint")
         out[name] = torch.stack([per_expert[e] for e in range(len(per_expert))])
     return out
 
@@ -195,7 +202,7 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
     fp32 = fp32_tensor_names(model)
     missing, unexpected = expected - set(tensors), set(tensors) - expected
     if missing or unexpected:
-        raise KeyError(f"checkpoint {directory} does not match the config: missing {sorted(missing)[:8]}"
+        raise CheckpointMismatchError(f"checkpoint {directory} does not match the config: missing {sorted(missing)[:8]}"
                        f"{' ...' if len(missing) > 8 else ''}, unexpected {sorted(unexpected)[:8]}"
                        f"{' ...' if len(unexpected) > 8 else ''}")
     state = {}

@@ -23,7 +23,8 @@ REPORT_FILE = "quantization_report.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="dense checkpoint folder (config.json + safetensors) or a `k3 train` run folder (its latest checkpoint)")
+    parser.add_argument("--model", required=True, help="dense checkpoint folder (config.json + safetensors) "
+                                                       "or a `k3 train` run folder (its latest checkpoint)")
     parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="safetensors shard size")
 
@@ -56,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
             return _error(f"output {out} exists and is not an empty folder")
         model = load_pretrained(src)
         rows = quantization_report(model)
-    except (FileNotFoundError, KeyError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one
-        return _error(e.args[0] if isinstance(e, KeyError) and e.args else str(e))
+    except (FileNotFoundError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one
+        return _error(str(e))
     save_packed(model, out, max_shard_bytes=args.max_shard_bytes)
     for f in sorted(src.glob("tokenizer*")):
         if f.is_file():

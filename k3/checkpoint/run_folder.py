@@ -27,5 +27,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     found = latest_checkpoint(path / "checkpoints")
     if found is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a `k3 train` run with a complete checkpoint")
+        raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a `k3 train` run with a complete "
+                                "checkpoint")
     return found

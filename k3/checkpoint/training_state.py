@@ -84,7 +84,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, tra
             _write_checkpoint(tmp, step, model, model_sd, optim_sd, scheduler, trainer_state, write_extras)
         except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error type
             shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is only wasted space
-            raise CheckpointSaveError(f"cannot save checkpoint {final}: {getattr(e, 'strerror', None) or e}") from None
+            cause = getattr(e, "strerror", None) or e
+            raise CheckpointSaveError(f"cannot save checkpoint {final}: {cause}") from None
         if final.exists():  # re-saving a step (resumed exactly at it): swap the old one out
             old = ckpt_root / f".{final.name}.old.tmp"
             final.rename(old)

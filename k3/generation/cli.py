@@ -37,9 +37,8 @@ def run(args) -> int:
         folder = resolve_checkpoint(args.run)
         tokenizer = load_tokenizer(folder)
         model = load_pretrained(folder, device=torch.device(args.device)).eval()
-    except (OSError, KeyError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one: one line
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"k3 generate: error: {message}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one: one line
+        print(f"k3 generate: error: {e}", file=sys.stderr)
         return 2
     cfg = model.config
     prompt = [cfg.bos_token_id] + tokenizer.encode(args.prompt).ids

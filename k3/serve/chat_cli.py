@@ -39,12 +39,13 @@ def status_line(request, limit: int, verbose: bool) -> str:
 def run(args) -> int:
     from k3.serve.detokenizer import IncrementalDetokenizer
     from k3.serve.engine import LLMEngine
-    from k3.serve.loading import is_chat_tuned, load_for_serving
+    from k3.serve.loading import load_for_serving
     from k3.serve.sampling import SamplingParams
     from k3.text.chat_format import ChatFormat, ReplyParser, map_reasoning_effort
 
     try:
-        model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+        model, tokenizer, name, chat_tuned = load_for_serving(args.run, args.model, args.tokenizer, args.device,
+                                                              args.dtype)
         chat = ChatFormat(tokenizer)  # a tokenizer without K3's chat markers cannot hold a conversation
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # bad values: one line
         map_reasoning_effort(args.reasoning_effort)
@@ -53,7 +54,7 @@ def run(args) -> int:
     engine = LLMEngine(model, engine_config(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"k3 chat with {name}: empty line or Ctrl-D to quit")
-    if not is_chat_tuned(args.run, args.model, args.tokenizer):
+    if not chat_tuned:
         print(NOT_CHAT_TUNED.format(name=name))
     while True:
         try:

@@ -46,13 +46,12 @@ def engine_config(args) -> EngineConfig:
 
 
 # what loading a bad --run / --model / --tokenizer raises (a missing or corrupted file, a checkpoint
-# that does not match its config): one line naming the file, not a traceback
-LOAD_ERRORS = (ValueError, OSError, KeyError)
+# that does not match its config: k3.checkpoint's errors are ValueErrors): one line, not a traceback
+LOAD_ERRORS = (ValueError, OSError)
 
 
 def usage_error(command: str, e: BaseException) -> int:
-    message = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
-    print(f"k3 {command}: error: {message}", file=sys.stderr)
+    print(f"k3 {command}: error: {e}", file=sys.stderr)
     return 2
 
 
@@ -77,7 +76,7 @@ def run(args) -> int:
     if args.max_request_bytes < 1:
         return usage_error("serve", ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}"))
     try:
-        model, tokenizer, name = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+        model, tokenizer, name, _ = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
     except LOAD_ERRORS as e:
         return usage_error("serve", e)
     engine = AsyncEngine(LLMEngine(model, engine_config(args)), tokenizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tokenizers import Tokenizer
@@ -36,19 +37,25 @@ def tokenizer_path(folder: Path, tokenizer: str | None) -> Path:
     return path / TOKENIZER_FILE if path.is_dir() else path
 
 
-def is_chat_tuned(run: str | None = None, model: str | None = None, tokenizer: str | None = None) -> bool:
+def is_chat_tuned(tokenizer_file: Path) -> bool:
     """True when the tokenizer_config.json beside the tokenizer has a chat_template (see above)."""
-    config = tokenizer_path(checkpoint_folder(run, model), tokenizer).parent / "tokenizer_config.json"
     try:
-        return bool(json.loads(config.read_text()).get("chat_template"))
+        return bool(json.loads((tokenizer_file.parent / "tokenizer_config.json").read_text()).get("chat_template"))
     except (OSError, ValueError, AttributeError):  # absent, unreadable or not an object: no chat template
         return False
 
 
+class Served(NamedTuple):
+    model: torch.nn.Module  # in eval mode
+    tokenizer: Tokenizer
+    name: str  # the served model name: the run's (or checkpoint folder's) name
+    chat_tuned: bool
+
+
 def load_for_serving(run: str | None = None, model: str | None = None, tokenizer: str | None = None,
-                     device: str = "cpu", dtype: str = "float32") -> tuple[torch.nn.Module, Tokenizer, str]:
-    """-> (model in eval mode, tokenizer, a served model name). A missing or corrupted file raises
-    ValueError / OSError / KeyError naming it."""
+                     device: str = "cpu", dtype: str = "float32") -> Served:
+    """The model, its tokenizer, a served name and whether it was chat-tuned, all read from one
+    resolved checkpoint. A missing or corrupted file raises ValueError / OSError naming it."""
     folder = checkpoint_folder(run, model)
     tok_path = tokenizer_path(folder, tokenizer)
     try:
@@ -60,6 +67,6 @@ def load_for_serving(run: str | None = None, model: str | None = None, tokenizer
     net = load_pretrained(folder, device=torch.device(device), dtype=DTYPES[dtype]).eval()
     if tok.get_vocab_size() > net.config.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids, the model only {net.config.vocab_size}")
-    name = Path(run).name if run else folder.name
+    name = Path(run or model).name  # a run folder's name, or the checkpoint folder's
     log.info("serving %s (%s) from %s", name, dtype, folder)
-    return net, tok, name
+    return Served(net, tok, name, is_chat_tuned(tok_path))
