@@ -5,6 +5,12 @@ Reads and writes the published config.json of `moonshotai/Kimi-K3` (top level `k
 lossless: keys we do not model are kept verbatim, keys that were absent stay absent (absence has
 meaning: no `gate_lower_bound` = softplus gate, no `attn_res_block_size` = plain residual;
 SPEC §1). Layer lists in `linear_attn_config` are 1-INDEXED, as published.
+
+Kimi-Linear configs come in two dialects: the official one (`linear_attn_config`, as published)
+and transformers' native one (what `KimiLinearConfig(layer_types=...)` writes: per-layer
+`layer_types` / `mlp_layer_types` lists and flat `linear_*` sizes, `model_max_length`, ...).
+Both are read, with transformers' precedence where both are present (see `_read_native`); fields
+that contradict each other are a ConfigError naming them, never a silently different model.
 """
 from __future__ import annotations
 
@@ -33,6 +39,15 @@ _ABSENT_MEANS_DEFAULT = {
     "routed_expert_hidden_size": None, "latent_moe_use_norm": False, "mla_use_output_gate": False,
     "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "q_lora_rank": None,
 }
+# transformers' native Kimi-Linear keys (configuration_kimi_linear.py): flat KDA sizes, each
+# mirroring a `linear_attn_config` key, and its attribute_map's other names for our fields.
+_NATIVE_LINEAR_KEYS = {"linear_head_dim": "head_dim", "linear_num_heads": "num_heads",
+                       "linear_conv_kernel_dim": "short_conv_kernel_size"}
+_NATIVE_ALIASES = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+                   "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
+                   "n_group": "num_expert_group", "model_max_length": "max_position_embeddings"}
+LAYER_TYPES = ("linear_attention", "full_attention")  # `layer_types` entries: KDA, MLA
+MLP_LAYER_TYPES = ("dense", "sparse")  # `mlp_layer_types` entries: dense FFN, MoE
 # Our own runtime choices (not in the official schema); written under these names only.
 _K3_RUNTIME_KEYS = ("mla_impl", "kda_impl", "kda_chunk_size")
 MLA_IMPLS = ("auto", "naive", "absorb")
@@ -199,6 +214,8 @@ class K3Config:
             text = d["text_config"]
         else:
             text = d
+        if not isinstance(text, dict) or not isinstance(text.get("linear_attn_config", {}), dict):
+            raise ConfigError("K3Config.linear_attn_config: text_config and linear_attn_config must be JSON objects")
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
         kwargs: dict[str, Any] = {}
         for key, value in text.items():
@@ -208,6 +225,7 @@ class K3Config:
                         kwargs[fname] = value[lk]
             elif key in known and key not in _LINEAR_ATTN_KEYS.values():
                 kwargs[key] = value
+        kwargs.update(_read_native(text))
         # Absence has meaning for these (SPEC §1 table: "absent" column).
         for key, absent_value in _ABSENT_MEANS_DEFAULT.items():
             la = text.get("linear_attn_config", {})
@@ -244,11 +262,13 @@ class K3Config:
         for lk, fname in _LINEAR_ATTN_KEYS.items():
             if lk not in la and not keep_absent(fname, getattr(self, fname)) or lk in la:
                 la[lk] = getattr(self, fname)
+        _write_native(self, text)  # a source in transformers' dialect keeps it, in step with our fields
+        aliased = {_NATIVE_ALIASES[k] for k in text if k in _NATIVE_ALIASES}
         for name in defaults:
             if name.startswith("_") or name == "wrapper_model_type" or name in _LINEAR_ATTN_KEYS.values():
                 continue
             value = getattr(self, name)
-            if name in text or not keep_absent(name, value):
+            if name in text or name not in aliased and not keep_absent(name, value):
                 text[name] = value
         if self.wrapper_model_type is None:
             return text
@@ -273,6 +293,105 @@ class K3Config:
     def replace(self, **changes) -> "K3Config":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------- transformers' dialect
+def _type_list(text: dict, key: str, allowed: tuple[str, ...], n: int) -> list[str]:
+    value = text[key]
+    if not isinstance(value, list) or any(v not in allowed for v in value):
+        shown = repr(value) if len(repr(value)) <= 120 else repr(value)[:117] + "..."
+        raise ConfigError(f"K3Config.{key}: must be a list of {' / '.join(map(repr, allowed))}, got {shown}")
+    if len(value) != n:
+        raise ConfigError(f"K3Config.{key}: has {len(value)} entries, num_hidden_layers is {n}")
+    return value
+
+
+def _moe_pattern(first_k_dense_replace: int, moe_layer_freq: int, n: int) -> list[str]:
+    """mlp_layer_types as K3Config.is_moe_layer draws them (for a model with experts)."""
+    return ["sparse" if i >= first_k_dense_replace and i % moe_layer_freq == 0 else "dense" for i in range(n)]
+
+
+def _read_native(text: dict) -> dict[str, Any]:
+    """Our fields from transformers' native Kimi-Linear keys. Where both dialects give a value they
+    must agree; transformers' precedence (KimiLinearConfig.__post_init__) says which one is the
+    source: `linear_attn_config` over the flat `linear_*` sizes, `layer_types` over the layer lists
+    of `linear_attn_config`, `mlp_layer_types` over `first_k_dense_replace`, and an attribute_map
+    name (`num_local_experts`, ...) is the field it maps to."""
+    la = text.get("linear_attn_config", {})
+    n = text.get("num_hidden_layers", K3Config.num_hidden_layers)
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ConfigError(f"K3Config.num_hidden_layers: must be an integer, got {n!r}")
+    out: dict[str, Any] = {}
+    for alias, name in _NATIVE_ALIASES.items():
+        if alias in text:
+            if name in text and text[name] != text[alias]:
+                raise ConfigError(f"K3Config.{name}: {name} {text[name]!r} and {alias} {text[alias]!r} disagree")
+            out[name] = text[alias]
+    for key, lk in _NATIVE_LINEAR_KEYS.items():
+        if key in text:
+            if lk in la and la[lk] != text[key]:
+                raise ConfigError(f"K3Config.{key}: {key} {text[key]!r} and linear_attn_config.{lk} {la[lk]!r} "
+                                  f"disagree")
+            out[_LINEAR_ATTN_KEYS[lk]] = la.get(lk, text[key])
+    if "layer_types" in text:
+        types = _type_list(text, "layer_types", LAYER_TYPES, n)
+        layers = {"kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+                  "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"]}
+        for lk, ours in layers.items():
+            theirs = la.get(lk, ours)
+            if not isinstance(theirs, list) or len(theirs) != len(set(theirs)):
+                raise ConfigError(f"K3Config.linear_attn_config: {lk} must be a list of distinct layers, "
+                                  f"got {theirs!r}")
+            odd = sorted(set(ours) ^ set(theirs), key=lambda v: (not isinstance(v, int), str(v).zfill(12)))
+            if odd:
+                i = odd[0]
+                said = (f"layer_types[{i - 1}] is {types[i - 1]!r}" if i in range(1, n + 1)
+                        else "layer_types has no such layer")
+                raise ConfigError(f"K3Config.layer_types: contradicts linear_attn_config.{lk}, which "
+                                  f"{'lists' if i in theirs else 'omits'} layer {i!r} (1-indexed): {said}")
+        out.update(layers)
+    if "mlp_layer_types" in text:
+        types = _type_list(text, "mlp_layer_types", MLP_LAYER_TYPES, n)
+        sparse = [i for i, t in enumerate(types) if t == "sparse"]
+        if not out.get("num_experts", text.get("num_experts", K3Config.num_experts)):
+            if sparse:
+                raise ConfigError(f"K3Config.mlp_layer_types: layers {sparse} are 'sparse' but num_experts is 0")
+        elif "first_k_dense_replace" in text or "moe_layer_freq" in text:
+            first = text.get("first_k_dense_replace", K3Config.first_k_dense_replace)
+            freq = text.get("moe_layer_freq", K3Config.moe_layer_freq)
+            if not isinstance(first, int) or not isinstance(freq, int) or freq < 1:
+                raise ConfigError(f"K3Config.first_k_dense_replace: first_k_dense_replace {first!r} and "
+                                  f"moe_layer_freq {freq!r} must be integers (moe_layer_freq >= 1)")
+            theirs = _moe_pattern(first, freq, n)
+            if theirs != types:
+                i = next(i for i in range(n) if theirs[i] != types[i])
+                raise ConfigError(f"K3Config.mlp_layer_types: mlp_layer_types[{i}] is {types[i]!r}, but first_k_"
+                                  f"dense_replace {first} and moe_layer_freq {freq} make layer {i} {theirs[i]!r}")
+        else:  # the first MoE layer and the stride between MoE layers
+            first = sparse[0] if sparse else n
+            freq = next((f for f in range(1, n + 1) if _moe_pattern(first, f, n) == types), None)
+            if freq is None:
+                shown = ", ".join(map(str, sparse[:6])) + (", ..." if len(sparse) > 6 else "")
+                raise ConfigError(f"K3Config.mlp_layer_types: MoE layers [{shown}] (0-indexed) are not every k-th "
+                                  f"layer from the first one on, the only pattern first_k_dense_replace and "
+                                  f"moe_layer_freq can express")
+            out["first_k_dense_replace"], out["moe_layer_freq"] = first, freq
+    return out
+
+
+def _write_native(cfg: K3Config, text: dict) -> None:
+    """Rewrite the native keys a source carried from our fields, so they never go stale."""
+    n = cfg.num_hidden_layers
+    for key, lk in _NATIVE_LINEAR_KEYS.items():
+        if key in text:
+            text[key] = getattr(cfg, _LINEAR_ATTN_KEYS[lk])
+    for alias, name in _NATIVE_ALIASES.items():
+        if alias in text:
+            text[alias] = getattr(cfg, name)
+    if "layer_types" in text:
+        text["layer_types"] = ["full_attention" if cfg.is_mla_layer(i) else "linear_attention" for i in range(n)]
+    if "mlp_layer_types" in text:
+        text["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(n)]
 
 
 def default_full_attn_layers(num_layers: int) -> list[int]:

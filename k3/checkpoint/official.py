@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3.atomic import write_atomic, write_text_atomic
-from k3.config import K3Config
+from k3.config import ConfigError, K3Config
 from k3.model.precision import fp32_tensor_names
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -174,30 +174,36 @@ def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | None = None,
-                    config: K3Config | None = None):
+                    config: K3Config | None = None, model_class=None):
     """Build a K3ForCausalLM from an HF-layout directory: ours, the official layout (incl. the
     MXFP4 `mxfp4-pack-quantized` routed experts, dequantized at load by k3/quant), or one written by
     transformers' KimiLinearForCausalLM. Every parameter must be present: missing or unexpected
-    tensors are an error naming them. fp32-by-SPEC tensors stay fp32 whatever `dtype` asks."""
+    tensors are an error naming them. fp32-by-SPEC tensors stay fp32 whatever `dtype` asks.
+    `model_class` (default `k3.K3ForCausalLM`, k3/checkpoint/pretrained.py) is the class built;
+    `K3ForCausalLM.from_pretrained` is this function."""
     from k3.checkpoint.packed import is_packed_checkpoint, read_packed
-    from k3.model.transformer import K3ForCausalLM
+    from k3.checkpoint.pretrained import K3ForCausalLM
 
+    model_class = model_class or K3ForCausalLM
     directory = Path(directory)
-    if is_packed_checkpoint(directory):
-        packed_config, tensors = read_packed(directory, dtype=dtype)
-        config = config or packed_config
-    else:
-        if config is None:
-            if not (directory / "config.json").is_file():
-                raise FileNotFoundError(f"no config.json in {directory}")
-            try:
-                config = K3Config.from_dict(read_json(directory / "config.json"))
-            except (KeyError, TypeError) as e:
-                raise CheckpointError(f"{directory / 'config.json'} is not a model config ({e})") from None
-        tensors = read_safetensors(directory)
+    try:
+        if is_packed_checkpoint(directory):
+            packed_config, tensors = read_packed(directory, dtype=dtype)
+            config = config or packed_config
+        else:
+            if config is None:
+                if not (directory / "config.json").is_file():
+                    raise FileNotFoundError(f"no config.json in {directory}")
+                try:
+                    config = K3Config.from_dict(read_json(directory / "config.json"))
+                except (KeyError, TypeError) as e:
+                    raise CheckpointError(f"{directory / 'config.json'} is not a model config ({e})") from None
+            tensors = read_safetensors(directory)
+    except ConfigError as e:  # malformed or self-contradicting fields: the message names them
+        raise ConfigError(f"{directory / 'config.json'}: {e}") from None
     tensors = official_to_state_dict(config, tensors)
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = model_class(config)
     expected = set(model.state_dict().keys())
     fp32 = fp32_tensor_names(model)
     missing, unexpected = expected - set(tensors), set(tensors) - expected

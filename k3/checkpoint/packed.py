@@ -32,7 +32,7 @@ from k3.checkpoint.official import (
 )
 from k3.config import K3Config
 from k3.model.precision import fp32_tensor_names
-from k3.quant.mx import dequantize, quantize
+from k3.quant.mx import BLOCK, dequantize, quantize
 from k3.quant.targets import WEIGHT_FORMAT, WEIGHT_RULE, is_routed_expert_linear
 
 FORMAT = "mxfp4-pack-quantized"
@@ -69,11 +69,23 @@ class PackedCheckpointError(CheckpointError):
 
 
 # ------------------------------------------------------------------------------- tensors
+def check_packable(tensors: dict[str, torch.Tensor]) -> None:
+    """Every routed-expert matrix must split into MXFP4 blocks of 32 along its input dim; the first
+    one that does not is a PackedCheckpointError naming it."""
+    for name, t in tensors.items():
+        if name.endswith(".weight") and is_routed_expert_linear(name.removesuffix(".weight")) and t.shape[-1] % BLOCK:
+            raise PackedCheckpointError(
+                f"{name} {tuple(t.shape)}: its input dim {t.shape[-1]} is not a multiple of {BLOCK}, the MXFP4 block; "
+                f"the routed experts' sizes (moe_intermediate_size, routed_expert_hidden_size or hidden_size) "
+                f"must be multiples of {BLOCK} to quantize")
+
+
 def pack_tensors(tensors: dict[str, torch.Tensor], *, dtype: torch.dtype | None = torch.bfloat16,
                  keep_fp32: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Official-named dense tensors -> the packed layout: routed-expert weights become
     weight_packed / weight_scale, every other floating tensor is cast to `dtype` (None: kept),
     except the `keep_fp32` names."""
+    check_packable(tensors)
     out = {}
     for name, t in tensors.items():
         module = name.removesuffix(".weight")

@@ -14,8 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from k3.checkpoint.official import DEFAULT_SHARD_BYTES, load_pretrained
-from k3.checkpoint.packed import is_packed_checkpoint, save_packed
+from k3.checkpoint.official import DEFAULT_SHARD_BYTES, load_pretrained, state_dict_to_official
+from k3.checkpoint.packed import check_packable, is_packed_checkpoint, save_packed
 from k3.checkpoint.quantize_report import KINDS, quantization_report
 from k3.checkpoint.run_folder import resolve_checkpoint
 
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             return _error(f"output {out} exists and is not an empty folder")
         model = load_pretrained(src)
+        check_packable(state_dict_to_official(model))
         rows = quantization_report(model)
     except (FileNotFoundError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one
         return _error(str(e))

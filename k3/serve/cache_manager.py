@@ -62,6 +62,8 @@ class CacheManager:
         limit = len(tokens) - 1  # keep one token to compute: its logits pick the next token
         if not self.enable_prefix_caching:
             return LookupResult(0, [], None, 0, "disabled")
+        if request.sampling.prompt_logprobs is not None:  # every prompt position needs its logits (vLLM's rule)
+            return LookupResult(0, [], None, 0, "prompt_logprobs")
         if limit < 1:
             return LookupResult(0, [], None, 0, "too_short")
         hashes = extend_block_hashes(request.block_hashes, tokens, self.prefix.hash_block_size)

@@ -5,6 +5,10 @@
 again, so a request can be added while the model computes. Aborts are queued and applied at the
 start of the next step (never while the runner is using the request's pages).
 
+A request with `prompt_logprobs` runs the same steps: the runner scores its prompt positions
+chunk by chunk, the scheduler collects the scores on the request, and they leave with its first
+output (`RequestOutput.prompt_logprobs`); with max_tokens 0 it finishes once its prompt is computed.
+
 `AsyncEngine` runs `step` on one background thread and hands each request's outputs to its
 asyncio consumer; when the consumer goes away (client disconnect, cancellation) the request is
 aborted and its pages are freed.
@@ -81,6 +85,8 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     error: str | None = None  # set when finish_reason is "error"
+    # with the request's first output, when it asked for prompt logprobs: entry k scores prompt token k + 1
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 class LLMEngine:
@@ -144,7 +150,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
             params = {r.request_id: self.scheduler.requests[r.request_id].sampling for r in out.requests}
         try:
-            sampled = self.runner.execute(out, params)
+            result = self.runner.execute(out, params)
         except Exception as e:  # fail this step's requests only; the scheduler state stays consistent
             with self._lock:
                 failed = []
@@ -155,9 +161,10 @@ class LLMEngine:
                     failed.append(r.request_id)
             raise StepError(failed, outputs) from e
         with self._lock:
-            for request in self.scheduler.update(out, sampled):
-                token = sampled[request.request_id]
-                outputs.append(self._output(request, [] if token.error is not None else [token]))
+            for request in self.scheduler.update(out, result.sampled, result.scored):
+                # None: a prompt-only request finished, or its prompt's scores failed
+                token = result.sampled.get(request.request_id) if request.error is None else None
+                outputs.append(self._output(request, [] if token is None or token.error is not None else [token]))
             if not self.scheduler.has_unfinished:  # idle: the decode slots hold no finished request
                 self.runner.release_held_requests()
         return outputs
@@ -165,9 +172,11 @@ class LLMEngine:
     def _output(self, request: Request, new: list[SampledToken]) -> RequestOutput:
         if request.status.finished:
             self.runner.sampler.forget(request.request_id)
+        first = len(request.output_token_ids) == len(new)
+        prompt = request.prompt_logprobs if first and request.sampling.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, new, request.status.finished, request.finish_reason,
                              request.num_prompt_tokens, request.num_cached_tokens or 0,
-                             len(request.output_token_ids), request.error)
+                             len(request.output_token_ids), request.error, prompt)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion (a convenience for tests, benchmarks and the terminal chat)."""
@@ -194,6 +203,7 @@ class StreamDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[SampledToken] | None = None  # in the first delta, when the request asked
 
 
 class AsyncEngine:
@@ -369,6 +379,6 @@ class RequestStream:
                 if finished:
                     self.finish_reason = reason
                 yield StreamDelta(text, ids, o.new_tokens, finished, reason, o.num_prompt_tokens,
-                                  o.num_cached_tokens, o.num_output_tokens)
+                                  o.num_cached_tokens, o.num_output_tokens, o.prompt_logprobs)
         finally:
             self.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from k3.serve.sampling import SamplingParams
+from k3.serve.sampling import SampledToken, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -42,6 +42,9 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
     num_preemptions: int = 0
     error: str | None = None  # why the request finished with FINISHED_ERROR
+    # sampling.prompt_logprobs requests: entry k scores prompt token k + 1 (from position k's logits);
+    # kept across a preemption, so a recompute scores only the positions not scored yet
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.prompt_token_ids:

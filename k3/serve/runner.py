@@ -4,7 +4,8 @@ Owns the page pool tensor [num_pages, page_bytes] (uint8; the bookkeeping never 
 and, per step: executes the page plan (zero fresh private state, copy hit snapshots and
 copy-on-write pages in), runs ONE forward, writes the new state and latent rows back into pages,
 snapshots KDA state into checkpoint pages, and samples the requests whose chunk reached their last
-known token.
+known token. Requests that asked for prompt logprobs also get the logits of their chunk's prompt
+positions from the same forward, log-softmaxed there alone (`_score`).
 
 Two kinds of forward:
 - packed (any step with a prompt chunk): a `K3Cache` built from the requests' private KDA pages
@@ -29,7 +30,9 @@ W = kv_lora_rank + qk_rope_head_dim, H/K/V KDA heads / key dim / value dim, 3C c
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +42,13 @@ from k3.serve.decode_slots import DecodeSlots
 from k3.serve.page_layout import PageLayout
 from k3.serve.sampling import SampledToken, Sampler, SamplingParams
 from k3.serve.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, SampledToken]  # the next token of each chunk that reached its last known token
+    scored: dict[str, list[SampledToken]]  # prompt logprobs of each chunk's score_targets
+
 
 # ModelRunner.step_counts keys: a packed forward (prefill chunks, with or without decode rows); a
 # decode step run eagerly, or the step that captured a graph (it runs the step too), or a replay
@@ -227,12 +237,12 @@ class ModelRunner:
         return logits, self.slots.view(*shape)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> StepResult:
         continuing = self._slots_continue(out)
         if not continuing:
             self._flush_states(out.released)
         if not out.requests:
-            return {}
+            return StepResult({}, {})
         plan = out.plan
         if plan.zero:
             self.pool[plan.zero] = 0
@@ -241,17 +251,24 @@ class ModelRunner:
         ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)
         cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
         chosen = [n for n, r in enumerate(requests) if r.sample]  # chunks that reach their last known token
+        scoring = [n for n, r in enumerate(requests) if r.score_targets]  # chunks with prompt positions to score
         decode = len(requests) == ids.numel()
         if decode:  # a uniform [N, 1] batch on the slots takes the batched decode paths
             logits, cache = self._decode(ids, requests, continuing)
-            rows = logits[chosen]
+            rows, score_rows = logits[chosen], logits[scoring]
             self._states_behind = requests
             if plan.copy_after:  # a checkpoint copies state pages: they must be current
                 self._flush_states(released=set())
-        else:  # logits only at the chosen chunks' last tokens
+        else:  # logits only at the chosen chunks' last tokens and at the positions to score
             self.step_counts["packed"] += 1
             cache = self.build_cache(requests)
-            rows = self.model(ids[None], cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:][chosen] - 1)[0]
+            starts = [0] + list(itertools.accumulate(len(r.token_ids) for r in requests))
+            keep = [starts[n + 1] - 1 for n in chosen] + [
+                starts[n] + requests[n].score_from - requests[n].num_computed + k
+                for n in scoring for k in range(len(requests[n].score_targets))]
+            kept = self.model(ids[None], cu_seqlens=cu, cache=cache,
+                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))[0]
+            rows, score_rows = kept[:len(chosen)], kept[len(chosen):]
             states = [cache.layers[i] for i in self._kda_layers]
             if states:
                 self.write_states(requests, torch.stack([s.conv for s in states]),
@@ -260,7 +277,19 @@ class ModelRunner:
         self._copy(plan.copy_after)
         if decode:
             self.slots.holds = requests
+        scored = self._score(score_rows, [requests[n] for n in scoring], params) if scoring else {}
         if not chosen:
-            return {}
+            return StepResult({}, scored)
         rids = [requests[n].request_id for n in chosen]
-        return dict(zip(rids, self.sampler.sample(rows, rids, [params[rid] for rid in rids])))
+        return StepResult(dict(zip(rids, self.sampler.sample(rows, rids, [params[rid] for rid in rids]))), scored)
+
+    def _score(self, rows: torch.Tensor, requests: list[ScheduledRequest],
+               params: dict[str, SamplingParams]) -> dict[str, list[SampledToken]]:
+        """Prompt logprobs of the requests' score_targets from their rows of logits, in order."""
+        targets = [t for r in requests for t in r.score_targets]
+        top = [params[r.request_id].prompt_logprobs for r in requests for _ in r.score_targets]
+        entries = self.sampler.score(rows, targets, top)
+        out, i = {}, 0
+        for r in requests:
+            out[r.request_id], i = entries[i:i + len(r.score_targets)], i + len(r.score_targets)
+        return out

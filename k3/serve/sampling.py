@@ -38,18 +38,23 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob plus the top n
+    # None: off; n >= 0: each prompt token's logprob (from the second on) plus the top n, as vLLM's
+    # prompt_logprobs. Such a request never reads the prefix cache: a cached prefix has no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be >= 1 (0 only to score a prompt), got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -114,6 +119,22 @@ class Sampler:
                 log.warning("sampling failed for request %s: %r", request_ids[n], e)
                 out[n] = SampledToken(-1, error=f"sampling failed: {e}")
         return out
+
+    @staticmethod
+    def score(logits: torch.Tensor, targets: list[int], top: list[int]) -> list[SampledToken]:
+        """Prompt logprobs: row i of logits [S, V] scores token targets[i], with its top[i] best
+        alternatives; log_softmax in fp32 of these rows only, one host copy. A row with non-finite
+        logprobs (a model gone bad on this input) gets `error` set: its request fails alone."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0]
+        finite = (torch.isfinite(chosen) & torch.isfinite(logprobs.amax(-1))).cpu().tolist()
+        chosen = chosen.cpu().tolist()
+        k = max(top)
+        best = torch.topk(logprobs, k) if k else None
+        values, indices = (best.values.cpu().tolist(), best.indices.cpu().tolist()) if k else ([], [])
+        return [SampledToken(t, lp, list(zip(indices[i][:n], values[i][:n])) if n else None,
+                             error=None if finite[i] else "non-finite prompt logprobs")
+                for i, (t, lp, n) in enumerate(zip(targets, chosen, top))]
 
     def _sample_row(self, logits: torch.Tensor, logprobs: torch.Tensor | None, rid: str,
                     p: SamplingParams) -> SampledToken:

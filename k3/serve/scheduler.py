@@ -30,6 +30,10 @@ class ScheduledRequest:
     page_table: list[int]  # MLA pages, covering num_computed + len(token_ids) tokens
     state_pages: list[list[int]]  # private KDA state, per KDA layer
     sample: bool  # the chunk reaches the last known token: its logits pick the next token
+    # prompt logprobs (sampling.prompt_logprobs): the logits of positions score_from, score_from + 1,
+    # ... (inside this chunk) score the prompt tokens score_targets (each the token after its position)
+    score_from: int = 0
+    score_targets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -105,10 +109,14 @@ class Scheduler:
         start = request.num_computed_tokens
         if start + n in request.checkpoints:
             self.cache.plan_checkpoint(request, start + n, out.plan)
-        out.requests.append(ScheduledRequest(
+        scheduled = ScheduledRequest(
             request.request_id, request.all_token_ids[start:start + n], start,
             list(self.cache.page_table(request.request_id)), self.cache.state_pages(request.request_id),
-            sample=start + n == request.num_tokens))
+            sample=start + n == request.num_tokens and request.sampling.max_tokens > 0)
+        if request.sampling.prompt_logprobs is not None:  # positions not scored yet (a recompute skips them)
+            first, end = max(start, len(request.prompt_logprobs)), min(start + n, request.num_prompt_tokens - 1)
+            scheduled.score_from, scheduled.score_targets = first, request.prompt_token_ids[first + 1:end + 1]
+        out.requests.append(scheduled)
 
     def _preempt(self, request: Request) -> None:
         self.cache.free(request)
@@ -155,15 +163,30 @@ class Scheduler:
         out.released, self._released = self._released, set()
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
-        """Account for a finished step; returns the requests that sampled (a token, or an error that
-        finished them alone; some now finished)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
+               scored: dict[str, list[SampledToken]] | None = None) -> list[Request]:
+        """Account for a finished step (`scored`: prompt logprobs of the step's score_targets);
+        returns the requests that sampled (a token, or an error that finished them alone) or
+        finished scoring their prompt with max_tokens 0; some now finished."""
         changed = []
         for s in out.requests:
             request = self.requests[s.request_id]
             request.num_computed_tokens += len(s.token_ids)
             self.cache.commit(request)
             request.checkpoints = [c for c in request.checkpoints if c > request.num_computed_tokens]
+            if s.score_targets:
+                entries = scored[s.request_id]
+                failed = next((e.error for e in entries if e.error is not None), None)
+                if failed is not None:  # this request fails alone, as when its sampling fails
+                    request.error = failed
+                    changed.append(request)
+                    self.finish(request.request_id, RequestStatus.FINISHED_ERROR)
+                    continue
+                request.prompt_logprobs += entries
+            if request.sampling.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                changed.append(request)  # a prompt-only request: scored, nothing to sample
+                self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+                continue
             if not s.sample:
                 continue
             changed.append(request)
