@@ -18,6 +18,7 @@ from k3.threads import ThreadsError, configure
 COMMANDS = {
     "params": ("k3.params_cli", "count parameters of a config (total / activated per token)"),
     "train": ("k3.train.cli", "train a model (default: k3-tiny on the bundled corpus, CPU)"),
+    "sft": ("k3.sft.cli", "fine-tune a run on conversations in K3's chat format (default: a tool-use set)"),
     "generate": ("k3.generation.cli", "sample from a trained run"),
     "serve": ("k3.serve.cli", "OpenAI-compatible HTTP server"),
     "chat": ("k3.serve.chat_cli", "chat with a model in the terminal"),

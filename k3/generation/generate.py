@@ -5,7 +5,7 @@ match token for token under greedy decoding.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,13 +46,16 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float 
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, eos_token_id: int | None = None, seed: int | None = None,
+             top_p: float = 1.0, top_k: int = 0, eos_token_id: int | Sequence[int] | None = None,
+             seed: int | None = None,
              on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
-    """Continue each prompt; returns the new tokens of each (stopping at eos, which is kept)."""
+    """Continue each prompt; returns the new tokens of each (stopping at eos, which is kept; several
+    stop ids may be given, e.g. a chat reply ends at `<|end_of_msg|>` or at eos)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each with at least one token")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    stops = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -70,7 +73,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
             outputs[seq].append(token)
             if on_token is not None:
                 on_token(seq, token)
-            if token != eos_token_id and len(outputs[seq]) < max_new_tokens:
+            if token not in stops and len(outputs[seq]) < max_new_tokens:
                 still.append(row)
         if not still:
             break

@@ -11,7 +11,7 @@ from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, engine_config, usage
 
 NOT_CHAT_TUNED = ("note: {name} has not been chat-tuned (its tokenizer_config.json has no chat_template):\n"
                   "      its replies are plain continuations of the conversation's text, not answers.\n"
-                  "      A chat model comes from supervised fine-tuning (SFT) on conversations (`k3 sft`, planned).")
+                  "      A chat model comes from supervised fine-tuning on conversations: k3 sft --run RUN_DIR")
 # what the user reads after a reply, by finish reason (the engine's own names are jargon)
 STOPPED = {"stop": "stopped: end of reply", "length": "stopped: length limit ({limit} tokens)",
            "error": "stopped: the model failed ({error})"}
@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--reasoning-effort", default=None, help="low | high | max (OpenAI's names are mapped)")
+    p.add_argument("--reasoning-effort", default=None, help="low | high | max (default max; OpenAI's names are mapped)")
+    p.add_argument("--no-thinking", action="store_true", help="reply without the think channel")
     p.add_argument("--verbose", action="store_true", help="after each reply, also show prompt tokens and "
                                                           "how many came from the prefix cache")
 
@@ -36,17 +37,23 @@ def status_line(request, limit: int, verbose: bool) -> str:
     return line
 
 
+def show(events) -> None:
+    """Reasoning dimmed, the answer plain, as they arrive."""
+    for kind, text, *_ in events:
+        if kind in ("reasoning", "content"):
+            print(f"\033[2m{text}\033[0m" if kind == "reasoning" else text, end="", flush=True)
+
+
 def run(args) -> int:
-    from k3.serve.detokenizer import IncrementalDetokenizer
     from k3.serve.engine import LLMEngine
     from k3.serve.loading import load_for_serving
     from k3.serve.sampling import SamplingParams
-    from k3.text.chat_format import ChatFormat, ReplyParser, map_reasoning_effort
+    from k3.text.xtml import XTML, map_reasoning_effort
 
     try:
         model, tokenizer, name, chat_tuned = load_for_serving(args.run, args.model, args.tokenizer, args.device,
                                                               args.dtype)
-        chat = ChatFormat(tokenizer)  # a tokenizer without K3's chat markers cannot hold a conversation
+        chat = XTML(tokenizer)  # a tokenizer without K3's chat markers cannot hold a conversation
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # bad values: one line
         map_reasoning_effort(args.reasoning_effort)
     except LOAD_ERRORS as e:
@@ -64,24 +71,24 @@ def run(args) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        prompt = chat.render(messages, reasoning_effort=args.reasoning_effort)
+        prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=not args.no_thinking)
         budget = min(args.max_tokens, engine.max_model_len - len(prompt.token_ids))
         if budget < 1:
             print("[the conversation fills the model length]")
             break
         request = engine.add_request(prompt.token_ids, SamplingParams(max_tokens=budget, temperature=args.temperature,
                                                                       stop_token_ids=[chat.eos]),
-                                     boundaries=prompt.boundaries, eos_token_id=chat.close)
-        detok, parser, shown = IncrementalDetokenizer(tokenizer), ReplyParser(tools=False), 0
+                                     boundaries=prompt.boundaries, eos_token_id=chat.end_of_msg)
+        parser, shown = chat.parser_for(prompt), 0
         while not request.status.finished:
             engine.step()
             new = request.output_token_ids[shown:]
             shown = len(request.output_token_ids)
-            events = parser.feed(detok.push(new))
-            for kind, text in events:
-                print(f"\033[2m{text}\033[0m" if kind == "reasoning" else text, end="", flush=True)
-        for kind, text in parser.finish():
-            print(text, end="")
+            show(parser.feed(new))
+        show(parser.finish())
         print(f"\n[{status_line(request, budget, args.verbose)}]")
-        messages.append({"role": "assistant", "content": parser.reply.content})
+        reply = {"role": "assistant", "content": parser.reply.content}
+        if parser.reply.reasoning:
+            reply["reasoning_content"] = parser.reply.reasoning  # kept in history while thinking is on
+        messages.append(reply)
     return 0

@@ -2,8 +2,10 @@
 `tokenizer.json` next to every checkpoint.
 
 Special tokens take the first ids, in SPECIAL_TOKENS order, so the model config's bos/eos/pad ids
-are 0/1/2 (as in the k3-tiny and k3-1b presets). `<|open|>`, `<|sep|>`, `<|close|>` are reserved
-for K3's chat markers (k3/serve builds the chat format from these names).
+are 0/1/2 (as in the k3-tiny and k3-1b presets). `<|open|>`, `<|sep|>`, `<|close|>` and
+`<|end_of_msg|>` (ids 3-6) are K3's four XTML chat markers (k3/text/xtml.py): every tokenizer k3
+trains has them, and `prepare` makes a literal marker string in text encode as text, so user text
+can never forge one.
 Byte-level means every token is a whole number of bytes and each character of a token's string is
 exactly one byte, so `token_bytes` gives the UTF-8 length of any token span (bits per byte).
 """
@@ -25,7 +27,9 @@ SPECIAL_TOKENS = {
     "open": "<|open|>",
     "sep": "<|sep|>",
     "close": "<|close|>",
+    "end_of_msg": "<|end_of_msg|>",
 }
+CHAT_MARKERS = ("open", "sep", "close", "end_of_msg")
 TOKENIZER_FILE = "tokenizer.json"
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256  # the specials and one token per byte
 
@@ -52,8 +56,10 @@ def prepare(tok: Tokenizer) -> Tokenizer:
     return tok
 
 
-def special_ids(tok: Tokenizer) -> dict[str, int]:
-    ids = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items()}
+def special_ids(tok: Tokenizer, names: tuple[str, ...] | None = None) -> dict[str, int]:
+    """Ids of the reserved special tokens (all of them, or just `names`); ValueError naming any the
+    tokenizer lacks (one trained before a marker was reserved, or not by k3)."""
+    ids = {name: tok.token_to_id(SPECIAL_TOKENS[name]) for name in (SPECIAL_TOKENS if names is None else names)}
     missing = [SPECIAL_TOKENS[n] for n, i in ids.items() if i is None]
     if missing:
         raise ValueError(f"tokenizer lacks the reserved special tokens {missing}")
@@ -66,14 +72,17 @@ def token_bytes(tok: Tokenizer) -> list[int]:
     return [0 if (s := tok.id_to_token(i)) in specials else len(s) for i in range(tok.get_vocab_size())]
 
 
-def save_tokenizer(tok: Tokenizer, directory: str | Path) -> Path:
+def save_tokenizer(tok: Tokenizer, directory: str | Path, *, chat_template: str | None = None) -> Path:
     """tokenizer.json plus a tokenizer_config.json naming the specials (so transformers'
-    AutoTokenizer loads the folder too); both via temp + rename."""
+    AutoTokenizer loads the folder too), with `chat_template` when given (the mark of a chat model,
+    k3.text.chat_template.CHAT_TEMPLATE); both via temp + rename."""
     directory = Path(directory)
     path = write_atomic(directory / TOKENIZER_FILE, lambda tmp: tok.save(str(tmp)))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS["bos"],
            "eos_token": SPECIAL_TOKENS["eos"], "pad_token": SPECIAL_TOKENS["pad"],
-           "additional_special_tokens": [SPECIAL_TOKENS[k] for k in ("open", "sep", "close")]}
+           "additional_special_tokens": [SPECIAL_TOKENS[k] for k in CHAT_MARKERS]}
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
     write_text_atomic(directory / "tokenizer_config.json", json.dumps(cfg, indent=2) + "\n")
     return path
 
@@ -98,4 +107,26 @@ def tokenizer_fingerprint(texts: list[str], vocab_size: int) -> str:
 def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of `text` without special tokens. encode_batch releases the GIL while it works
     (encode holds it), so a long text does not stall a server's event loop."""
-    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    return encode_texts(tokenizer, [text])[0]
+
+
+def encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """`encode_text` of each text, in one GIL-free batch (a rendered chat is many short texts).
+    Text that is not valid Unicode (a lone surrogate from JSON's "\\ud800") is a ValueError."""
+    if not texts:
+        return []
+    try:
+        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    except TypeError:  # tokenizers' complaint about a str it cannot encode to UTF-8
+        bad = next((t for t in texts if not _is_utf8(t)), None)
+        if bad is None:
+            raise
+        raise ValueError(f"text is not valid Unicode (a lone surrogate) near {bad[:40]!r}") from None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

@@ -93,24 +93,27 @@ def plot_losses(records: list[dict], path: Path, title: str = "k3 train") -> Non
 
 
 def write_report(path: Path, *, settings: dict, params: dict, records: list[dict], wall_time_s: float,
-                 checkpoint: Path) -> None:
+                 checkpoint: Path, title: str = "k3 training run", model: str | None = None, data: str | None = None,
+                 batch: str | None = None, extra: list[str] = ()) -> None:
+    """report.md; `extra` lines (markdown) go after the loss curve."""
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     samples = [r for r in records if r["kind"] == "sample"]
     last_eval = evals[-1] if evals else None
+    default_batch = f"{settings['batch_size']} sequences x {settings['seq_len']} tokens"
     lines = [
-        f"# k3 training run: {path.parent.name}", "",
+        f"# {title}: {path.parent.name}", "",
         "| | |", "|---|---|",
-        f"| model | {settings['config']} ({params['total'] / 1e6:.2f}M parameters, {params['active'] / 1e6:.2f}M active per token) |",
-        f"| data | {settings['data'] or 'bundled Shakespeare corpus'} |",
-        f"| steps | {train[-1]['step'] if train else 0} x {settings['batch_size']} sequences x {settings['seq_len']} tokens |",
+        f"| model | {model or settings['config']} ({params['total'] / 1e6:.2f}M parameters, {params['active'] / 1e6:.2f}M active per token) |",
+        f"| data | {data or settings['data'] or 'bundled Shakespeare corpus'} |",
+        f"| steps | {train[-1]['step'] if train else 0} x {batch or default_batch} |",
         f"| tokens seen | {train[-1]['tokens'] if train else 0:,} |",
         f"| final train loss | {train[-1]['loss']:.4f} |" if train else "| final train loss | - |",
         (f"| final val loss / bits per byte | {last_eval['val_loss']:.4f} / {last_eval['val_bpb']:.4f} "
          f"(step {last_eval['step']}, {last_eval['val_tokens']:,} tokens) |") if last_eval else "| val | - |",
         f"| wall time | {wall_time_s / 60:.1f} min |",
         f"| checkpoint | `{checkpoint}` |", "",
-        f"![loss curve]({PLOT_FILE})", "",
+        f"![loss curve]({PLOT_FILE})", "", *extra,
         "## Settings", "", "```json", json.dumps(settings, indent=2), "```", "",
     ]
     if samples:

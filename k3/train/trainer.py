@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from k3.atomic import write_atomic
 from k3.checkpoint import training_state as ckpt
 from k3.checkpoint.run_folder import latest_checkpoint
-from k3.config import ConfigError, load_config
+from k3.config import ConfigError, K3Config, load_config
 from k3.data.corpus import load_documents, split_documents
 from k3.generation.generate import generate
 from k3.model.params import count_parameters
@@ -123,6 +123,9 @@ def _validate(s: TrainSettings, world: World, max_positions: int, vocab_size: in
 
 
 class Trainer:
+    SETTINGS = TrainSettings
+    OPTIONAL_STRINGS = ("data", "out", "cache_dir")  # settings that are None or a string
+
     def __init__(self, settings: TrainSettings, *, resume: bool = False, progress: bool = True, log=print):
         self._created = time.perf_counter()  # wall time counts setup too (tokenizer, tokenization)
         self.s = settings
@@ -136,6 +139,15 @@ class Trainer:
             raise
 
     def _setup(self, settings: TrainSettings, resume: bool) -> None:
+        config = self._read_config(settings)
+        _validate(settings, self.world, config.max_position_embeddings, config.vocab_size)
+        self._prepare_run_dir(settings, resume)
+        self._setup_data(settings, config, resume)
+        self._write_run_files(settings, resume)
+        torch.manual_seed(settings.seed)
+        self._setup_model(K3ForCausalLM(self.config), resume)
+
+    def _read_config(self, settings) -> K3Config:
         try:
             config = load_config(settings.config)
             unknown = sorted(set(settings.overrides) - {f.name for f in dataclasses.fields(config)})
@@ -145,13 +157,13 @@ class Trainer:
             if "num_hidden_layers" in overrides:  # re-derive K3's layer schedule for the new depth
                 overrides.setdefault("kda_layers", [])
                 overrides.setdefault("full_attn_layers", [])
-            if overrides:
-                config = config.replace(**overrides)
+            return config.replace(**overrides) if overrides else config
         except (ConfigError, FileNotFoundError, TypeError) as e:
             raise TrainError(str(e)) from None
-        _validate(settings, self.world, config.max_position_embeddings, config.vocab_size)
+
+    def _prepare_run_dir(self, settings, resume: bool) -> None:
         self.run_dir = Path(settings.out) if settings.out else Path("runs") / (
-            f"{Path(settings.config).stem}-{datetime.now():%Y%m%d-%H%M%S}")
+            f"{self.default_run_name(settings)}-{datetime.now():%Y%m%d-%H%M%S}")
         if resume:
             if not (self.run_dir / RUN_FILE).is_file():
                 raise TrainError(f"cannot resume: {self.run_dir} has no {RUN_FILE}")
@@ -159,8 +171,14 @@ class Trainer:
             _check_writable(self.run_dir)
             if self.run_dir.exists() and any(self.run_dir.iterdir()):
                 raise TrainError(f"output dir {self.run_dir} already exists and is not empty (use --resume to continue it)")
+
+    @staticmethod
+    def default_run_name(settings) -> str:
+        return Path(settings.config).stem
+
+    def _setup_data(self, settings: TrainSettings, config: K3Config, resume: bool) -> None:
         train_docs, val_docs = split_documents(load_documents(settings.data), settings.val_fraction)
-        cache = Path(settings.cache_dir or os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3")
+        cache = self.cache_dir(settings)
 
         # tokenizer: the run's own on resume, else trained on the training split (cached)
         if resume:
@@ -174,11 +192,8 @@ class Trainer:
                 self.tokenizer = train_tokenizer([d.text for d in train_docs], config.vocab_size)
                 tok_cache.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(tok_cache, lambda tmp: self.tokenizer.save(str(tmp)))  # ranks may race here
-        if self.tokenizer.get_vocab_size() > config.vocab_size:
-            raise TrainError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens, the model's vocab_size is {config.vocab_size}")
-        ids = special_ids(self.tokenizer)
-        self.config = config.replace(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
-        self.token_bytes = torch.tensor(token_bytes(self.tokenizer) + [0] * (config.vocab_size - self.tokenizer.get_vocab_size()))
+        self._adopt_tokenizer(config)
+        ids = {"bos": self.config.bos_token_id, "eos": self.config.eos_token_id}
         self.log(f"tokenizing {len(train_docs)} train / {len(val_docs)} val documents ...")
         self.train_data = cached_token_stream(cache / "tokens", self.tokenizer, [d.text for d in train_docs], ids["bos"], ids["eos"])
         self.val_data = cached_token_stream(cache / "tokens", self.tokenizer, [d.text for d in val_docs], ids["bos"], ids["eos"])
@@ -187,18 +202,36 @@ class Trainer:
             raise TrainError(f"the training split has {len(self.train_data.tokens)} tokens, fewer than one "
                              f"sequence of {settings.seq_len}: use more data or a shorter --seq-len")
 
-        # everything validated: from here on we write
+    @staticmethod
+    def cache_dir(settings) -> Path:
+        return Path(settings.cache_dir or os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3")
+
+    def _adopt_tokenizer(self, config: K3Config) -> None:
+        """self.config = `config` with the tokenizer's special ids; per-id byte counts for bits per byte."""
+        if self.tokenizer.get_vocab_size() > config.vocab_size:
+            raise TrainError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens, the model's vocab_size is {config.vocab_size}")
+        try:
+            ids = special_ids(self.tokenizer, ("bos", "eos", "pad"))  # pretraining needs no chat markers
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        self.config = config.replace(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+        self.token_bytes = torch.tensor(token_bytes(self.tokenizer) + [0] * (config.vocab_size - self.tokenizer.get_vocab_size()))
+
+    def _write_run_files(self, settings, resume: bool) -> None:
+        """Everything validated: from here on we write."""
         if self.world.is_main and not resume:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise TrainError(f"cannot create output dir {self.run_dir}: {e.strerror}") from None
             (self.run_dir / RUN_FILE).write_text(json.dumps(dataclasses.asdict(settings), indent=2) + "\n")
-            save_tokenizer(self.tokenizer, self.run_dir)
+            self.save_tokenizer_to(self.run_dir)
         self.metrics = MetricsLog(self.run_dir)
 
-        torch.manual_seed(settings.seed)
-        model = K3ForCausalLM(self.config).to(self.world.device)
+    def _setup_model(self, model: K3ForCausalLM, resume: bool) -> None:
+        """Place, quantize, shard and compile `model`; build the optimizer; on resume load the latest checkpoint."""
+        settings = self.s
+        model = model.to(self.world.device)
         if settings.qat:
             from k3.quant.qat import apply_qat
 
@@ -232,7 +265,7 @@ class Trainer:
             self.balance_reduce = lambda t: all_reduce_sum(t, self.world)
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, **kwargs) -> "Trainer":
+    def from_run(cls, run_dir: str | Path, **kwargs) -> Trainer:
         path = Path(run_dir) / RUN_FILE
         if not path.is_file():
             raise TrainError(f"cannot resume: {run_dir} has no {RUN_FILE}")
@@ -242,16 +275,16 @@ class Trainer:
             raise TrainError(f"cannot resume: {path} is not a readable run file ({e})") from None
         if not isinstance(raw, dict):
             raise TrainError(f"cannot resume: {path} is not a JSON object")
-        fields = {f.name: f for f in dataclasses.fields(TrainSettings)}
+        fields = {f.name: f for f in dataclasses.fields(cls.SETTINGS)}
         unknown = sorted(set(raw) - set(fields))
         if unknown:
             raise TrainError(f"cannot resume: {path} has unknown settings {unknown}")
-        defaults = TrainSettings()
+        defaults = cls.SETTINGS()
         for name, value in raw.items():
             default = getattr(defaults, name)
             if name == "sample_prompts":
                 ok = isinstance(value, list) and all(isinstance(p, str) for p in value)
-            elif name in ("data", "out", "cache_dir"):
+            elif name in cls.OPTIONAL_STRINGS:
                 ok = value is None or isinstance(value, str)
             elif name == "eval_windows":
                 ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
@@ -265,7 +298,7 @@ class Trainer:
                 raise TrainError(f"cannot resume: {path} has a bad value for {name}: {value!r}")
         if "sample_prompts" in raw:
             raw["sample_prompts"] = tuple(raw["sample_prompts"])
-        settings = TrainSettings(**{**raw, "out": str(run_dir)})
+        settings = cls.SETTINGS(**{**raw, "out": str(run_dir)})
         return cls(settings, resume=True, **kwargs)
 
     # ------------------------------------------------------------------ one step
@@ -312,6 +345,7 @@ class Trainer:
         as many as MAX_EVAL_TOKENS holds). Every rank evaluates the same windows: FSDP's forward is a
         collective."""
         T = self.s.seq_len
+        max_windows = self.s.eval_windows if max_windows is None else max_windows
         n = self.val_data.num_windows(T, partial=True)
         n = min(n, -(-MAX_EVAL_TOKENS // T) if max_windows is None else max_windows)
         per_batch = max(1, EVAL_ROW_TOKENS // T)
@@ -343,7 +377,7 @@ class Trainer:
         state = {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "data_position": self.step * self.s.batch_size,
                  "world_size": self.world.size, "settings": dataclasses.asdict(self.s)}
         return ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer,
-                                    self.scheduler, state, lambda d: save_tokenizer(self.tokenizer, d), keep=self.s.keep,
+                                    self.scheduler, state, self.save_tokenizer_to, keep=self.s.keep,
                                     keep_all_state=self.s.keep_all_state)
 
     def _record(self, records: list[dict]) -> None:
@@ -363,13 +397,14 @@ class Trainer:
                 record = self.train_step()
                 dt = time.perf_counter() - t0
                 self.elapsed += dt
-                record.update(tok_per_s=round(s.batch_size * s.seq_len / dt), elapsed=round(self.elapsed, 2))
+                step_tokens = record.pop("step_tokens", s.batch_size * s.seq_len)
+                record.update(tok_per_s=round(step_tokens / dt), elapsed=round(self.elapsed, 2))
                 self._record([record])
                 if bar is not None:
                     bar.update(self.step, record)
                 if self.step % s.eval_every == 0 and self.step < s.steps:
                     t1 = time.perf_counter()
-                    ev = self.evaluate(s.eval_windows)
+                    ev = self.evaluate()
                     self._record([ev, *self.samples()])
                     self.elapsed += time.perf_counter() - t1
                     if bar is not None:
@@ -383,19 +418,26 @@ class Trainer:
             if bar is not None:
                 bar.close()
         t1 = time.perf_counter()
-        final = self.evaluate(s.eval_windows)
+        final = self.evaluate()
         samples = self.samples()
         self.elapsed += time.perf_counter() - t1
         if self.world.is_main:
             records = [r for r in self.metrics.read() if not (r["step"] == self.step and r["kind"] != "train")]
             records += [final, *samples]
             self.metrics.rewrite(records)
-            plot_losses(records, self.run_dir / PLOT_FILE,
-                        title=f"{self.run_dir.name}: {self.params['total'] / 1e6:.1f}M-parameter {Path(s.config).stem}")
-            write_report(self.run_dir / REPORT_FILE, settings=dataclasses.asdict(s), params=self.params,
-                         records=records, wall_time_s=self.elapsed, checkpoint=last_ckpt)
+            self.write_outputs(records, last_ckpt)
         return {**final, "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt), "samples": samples,
                 "elapsed": self.elapsed}
+
+    def save_tokenizer_to(self, folder: Path) -> None:
+        save_tokenizer(self.tokenizer, folder)
+
+    def write_outputs(self, records: list[dict], checkpoint: Path | None) -> None:
+        """loss.png and report.md from the run's final records (rank 0)."""
+        plot_losses(records, self.run_dir / PLOT_FILE,
+                    title=f"{self.run_dir.name}: {self.params['total'] / 1e6:.1f}M-parameter {Path(self.s.config).stem}")
+        write_report(self.run_dir / REPORT_FILE, settings=dataclasses.asdict(self.s), params=self.params,
+                     records=records, wall_time_s=self.elapsed, checkpoint=checkpoint)
 
     def close(self) -> None:
         shutdown(self.world)

@@ -44,3 +44,13 @@ def test_quantize_verb(tmp_path, capsys):
     assert _quantize(tmp_path / "dense", tmp_path / "mx") == 2
     err = capsys.readouterr().err
     assert "k3 quantize: error: " in err and "already quantized" in err
+
+
+def test_expert_dims_not_multiples_of_32_are_a_one_line_error(tmp_path, capsys):
+    """MXFP4 scales blocks of 32 along a matrix's input dim: w2 [32, 48] cannot be packed (issue #20)."""
+    save_pretrained(K3ForCausalLM(small_config(moe_intermediate_size=48)), tmp_path / "dense")
+    assert _quantize(tmp_path / "dense", tmp_path / "mx") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("k3: ")]
+    assert len(err) == 1 and err[0].startswith("k3 quantize: error: language_model.model.layers.1.block_sparse_moe."
+                                               "experts.0.w2.weight (32, 48): its input dim 48 is not a multiple of 32")
+    assert not (tmp_path / "mx").exists()

@@ -82,17 +82,50 @@ class FakeModel(nn.Module):
 
 
 class ScriptedModel(FakeModel):
-    """Replies with a fixed token script after the last `marker` token (the chat format's
-    `<|sep|>`), then `end`: lets the server tests see tool calls and reasoning come out."""
+    """Replies with a token script after the last `marker` token, then `end`: lets the server tests
+    see tool calls and reasoning come out. `script` may be a function of the history (the prompt so
+    far), e.g. to answer a tool result differently from a question."""
 
-    def __init__(self, vocab_size: int, marker: int, script: list[int], end: int):
+    def __init__(self, vocab_size: int, marker: int, script, end: int):
         super().__init__(vocab_size)
         self.marker, self.script, self.end = marker, script, end
 
     def predict(self, history, kda, tail, mla) -> int:
-        since = len(history) - 1 - max(i for i, t in enumerate(history) if t == self.marker) \
-            if self.marker in history else len(history)
-        return self.script[since] if since < len(self.script) else self.end
+        last = max((i for i, t in enumerate(history) if t == self.marker), default=-1)
+        since = len(history) - 1 - last
+        script = self.script(history[:last + 1]) if callable(self.script) else self.script
+        return script[since] if since < len(script) else self.end
+
+
+def chat_script(tokenizer, reply: dict) -> list[int]:
+    """What a model emits after a chat prompt's last `<|end_of_msg|>` to give `reply` (an assistant
+    message): the generation prompt (already in the prompt, so never sampled) then the reply."""
+    from k3.text.xtml import XTML
+
+    chat = XTML(tokenizer)
+    asked = [{"role": "user", "content": "q"}]
+    prompt = chat.render(asked).token_ids
+    full = chat.render(asked + [reply], add_generation_prompt=False).token_ids
+    last = max(i for i, t in enumerate(prompt) if t == chat.end_of_msg)
+    return prompt[last + 1:] + full[len(prompt):]
+
+
+def scripted_chat_model(tokenizer, reply, after_tool: dict | None = None) -> ScriptedModel:
+    """A chat model that always answers `reply` (an assistant message or plain text), or
+    `after_tool` when the last message of the prompt is a tool result."""
+    from k3.text.xtml import XTML
+
+    chat = XTML(tokenizer)
+    reply = {"role": "assistant", "content": reply} if isinstance(reply, str) else reply
+    first = chat_script(tokenizer, reply)
+    then = chat_script(tokenizer, after_tool) if after_tool else first
+
+    def script(history: list[int]) -> list[int]:
+        ends = [i for i, t in enumerate(history) if t == chat.end_of_msg]
+        last_message = tokenizer.decode(history[ends[-2] + 1 if len(ends) > 1 else 0:])
+        return then if last_message.startswith('message role="tool"') else first
+
+    return ScriptedModel(tokenizer.get_vocab_size(), chat.end_of_msg, script, chat.end_of_msg)
 
 
 class PoisonModel(FakeModel):

@@ -18,14 +18,16 @@ from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
 from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
-from k3.text.chat_format import ChatFormat
+from k3.text.xtml import XTML
 from k3.text.tokenizer import train_tokenizer
-from tests.serve.fakes import ScriptedModel, one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.serve.fakes import ScriptedModel, one_torch_thread, scripted_chat_model  # noqa: F401 (autouse fixture)
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is the weather in Paris today?",
           '{"name": "get_weather", "arguments": {"city": "Paris"}}'] * 4
-REPLY = '<think>look it up</think>Checking.<tool_call>{"id": "call_1", "name": "get_weather", ' \
-        '"arguments": {"city": "Paris"}}</tool_call>'
+REPLY = {"role": "assistant", "reasoning_content": "look it up", "content": "Checking.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+ANSWER = {"role": "assistant", "reasoning_content": "read the result", "content": "It is sunny, 21 C in Paris."}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 KEY = "test-key"
@@ -48,11 +50,10 @@ def tiny(tokenizer):
 
 @pytest.fixture(scope="module")
 def scripted(tokenizer):
-    """A stand-in model that always answers REPLY (a think section and a tool call), behind an API key."""
-    chat = ChatFormat(tokenizer)
-    script = tokenizer.encode(REPLY, add_special_tokens=False).ids
-    model = ScriptedModel(tokenizer.get_vocab_size(), chat.sep, script, chat.close)
-    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512, max_num_seqs=8))
+    """A stand-in model that answers REPLY (reasoning and a tool call), and ANSWER after a tool
+    result, behind an API key."""
+    model = scripted_chat_model(tokenizer, REPLY, after_tool=ANSWER)
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=2048, max_num_seqs=8))
     app = build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="scripted", api_key=KEY)
     with ServerThread(app) as server:
         yield server, engine
@@ -121,7 +122,26 @@ def test_chat_stream_and_not(tiny):
     wait_idle(engine)
 
 
-def test_tool_calls_and_reasoning_round_trip(scripted, tokenizer):
+def _streamed(c, **kw) -> tuple[list, str, str, str | None, list]:
+    """(tool calls assembled by index, reasoning, content, finish reason, tool_call_errors) of a stream."""
+    calls, reasoning, content, finish, errors = {}, "", "", None, []
+    for ch in c.chat.completions.create(stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        for t in d.tool_calls or []:
+            have = calls.setdefault(t.index, {"id": t.id, "name": t.function.name, "arguments": ""})
+            have["arguments"] += t.function.arguments or ""
+        reasoning += (d.model_extra or {}).get("reasoning") or ""
+        content += d.content or ""
+        errors += (d.model_extra or {}).get("tool_call_errors") or []
+        finish = ch.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], reasoning, content, finish, errors
+
+
+def test_agent_loop_with_the_openai_client(scripted, tokenizer):
+    """Tools offered -> tool_calls; the client runs the tool and sends the result -> the answer.
+    Streaming and non-streaming give the same thing at every step."""
     server, engine = scripted
     c = client(server, KEY)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -129,30 +149,56 @@ def test_tool_calls_and_reasoning_round_trip(scripted, tokenizer):
     msg, choice = full.choices[0].message, full.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert msg.content == "Checking." and msg.model_extra["reasoning"] == "look it up"
+    assert msg.model_extra["reasoning_content"] == "look it up"  # the older name, for older clients
     (call,) = msg.tool_calls
-    assert (call.id, call.function.name, json.loads(call.function.arguments)) == ("call_1", "get_weather",
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == ("functions.get_weather:1", "get_weather",
                                                                                  {"city": "Paris"})
-    # streaming: the same call arrives as one tool_calls delta
-    calls, reasoning, content = [], "", ""
-    for ch in c.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, temperature=0, stream=True):
-        if ch.choices:
-            d = ch.choices[0].delta
-            calls += d.tool_calls or []
-            reasoning += (d.model_extra or {}).get("reasoning") or ""
-            content += d.content or ""
-    assert [(t.id, t.function.name, t.function.arguments) for t in calls] == \
-        [(call.id, call.function.name, call.function.arguments)]
-    assert (reasoning, content) == ("look it up", "Checking.")
-    # round trip: the assistant turn re-renders to exactly the text the model produced
-    assistant = {"role": "assistant", "content": msg.content, "reasoning_content": "look it up",
-                 "tool_calls": [call.model_dump()]}
-    assert ChatFormat(tokenizer).message_text(assistant) == ("assistant", REPLY)
-    follow = c.chat.completions.create(model="scripted", temperature=0, tools=TOOLS, messages=messages + [
-        assistant, {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
-    assert follow.choices[0].message.tool_calls[0].function.name == "get_weather"
-    # without tools the tags stay text
-    plain = c.chat.completions.create(model="scripted", messages=messages, temperature=0)
-    assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
+    calls, reasoning, content, finish, _ = _streamed(c, model="scripted", messages=messages, tools=TOOLS,
+                                                     temperature=0)
+    assert calls == [{"id": call.id, "name": call.function.name, "arguments": call.function.arguments}]
+    assert (reasoning, content, finish) == ("look it up", "Checking.", "tool_calls")
+    # the returned message re-renders to exactly the tokens the model produced
+    chat = XTML(tokenizer)
+    assistant = msg.model_dump(exclude_none=True)
+    rendered = chat.render(messages + [assistant], tools=TOOLS, add_generation_prompt=False).token_ids
+    assert rendered == chat.render(messages + [REPLY], tools=TOOLS, add_generation_prompt=False).token_ids
+    # the client runs the tool and sends its result: the reply carries the answer
+    messages += [assistant, {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = c.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, temperature=0)
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content == "It is sunny, 21 C in Paris."
+    calls, reasoning, content, finish, _ = _streamed(c, model="scripted", messages=messages, tools=TOOLS,
+                                                     temperature=0)
+    assert (calls, reasoning, content, finish) == ([], "read the result", "It is sunny, 21 C in Paris.", "stop")
+    wait_idle(engine)
+
+
+def test_tool_choice_and_checked_calls(scripted):
+    server, engine = scripted
+    c = client(server, KEY)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # no tools offered (or tool_choice none): a call the model makes anyway is not a tool call
+    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        plain = c.chat.completions.create(model="scripted", messages=messages, temperature=0, **kw)
+        m = plain.choices[0].message
+        assert m.tool_calls is None and plain.choices[0].finish_reason == "stop"
+        assert m.model_extra["tool_call_errors"], m
+    # a declared schema the call does not satisfy: left out, reason given, streamed the same way
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 3}}}}}]
+    bad = c.chat.completions.create(model="scripted", messages=messages, tools=strict, temperature=0)
+    (error,) = bad.choices[0].message.model_extra["tool_call_errors"]
+    assert bad.choices[0].message.tool_calls is None and "parameters" in error["error"]
+    assert _streamed(c, model="scripted", messages=messages, tools=strict, temperature=0)[4] == [error]
+    # required / named are accepted (the prompt forces a call; the scripted model ignores it)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = c.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, tool_choice=choice,
+                                      temperature=0, max_tokens=8)
+        assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # thinking off renders no think channel: the scripted think text is then just content
+    off = c.chat.completions.create(model="scripted", messages=messages, temperature=0, max_tokens=8,
+                                    extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert off.choices[0].message.model_extra.get("reasoning") is None
     wait_idle(engine)
 
 
@@ -182,7 +228,12 @@ BAD_BODIES = [
     {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "n": 3},
     {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"},
     {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 9},
-    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},  # no tools
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+     "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinkin": False}},
+    {"model": "scripted", "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "x",
+                                                                           "content": "r"}]},
     {"model": "scripted", "messages": [{"role": "tool", "content": "x"}]},
     {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
     {"model": "scripted", "messages": [{"role": "user", "content": "x" * 5000}]},
@@ -204,7 +255,7 @@ def test_bad_completion_bodies(scripted):
     server, _ = scripted
     h = {"Authorization": f"Bearer {KEY}"}
     for body in ({"model": "scripted"}, {"model": "scripted", "prompt": ""}, {"model": "scripted", "prompt": [10**9]},
-                 {"model": "scripted", "prompt": "hi", "echo": True}, {"model": "scripted", "prompt": ["a", "b"]},
+                 {"model": "scripted", "prompt": "hi", "max_tokens": 0}, {"model": "scripted", "prompt": ["a", "b"]},
                  {"model": "scripted", "prompt": "hi", "logprobs": 9}):
         r = httpx.post(server.url + "/v1/completions", json=body, headers=h)
         assert r.status_code == 400, (body, r.text)
@@ -293,10 +344,8 @@ def test_k3_serve_cli_end_to_end(tmp_path, tokenizer):
 @pytest.fixture
 def flaky(tokenizer):
     """The scripted model behind a server whose forward raises while `fail["n"]` > 0 (or forever at -1)."""
-    chat = ChatFormat(tokenizer)
-    script = tokenizer.encode(REPLY, add_special_tokens=False).ids
-    model = ScriptedModel(tokenizer.get_vocab_size(), chat.sep, script, chat.close)
-    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512, max_num_seqs=8))
+    model = scripted_chat_model(tokenizer, REPLY)
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=2048, max_num_seqs=8))
     fail = {"n": 0}
     execute = engine.runner.execute
 

@@ -17,9 +17,8 @@ import pytest
 from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
 from k3.serve.sampling import MAX_STOP_CHARS, SamplingParams
-from k3.text.chat_format import ChatFormat
 from k3.text.tokenizer import train_tokenizer
-from tests.serve.fakes import PoisonModel, ScriptedModel, one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.serve.fakes import PoisonModel, scripted_chat_model, one_torch_thread  # noqa: F401 (autouse fixture)
 
 KEY = "hostile-key"
 SMALL_LIMIT = 64 << 10
@@ -31,10 +30,8 @@ def tokenizer():
 
 
 def scripted_engine(tokenizer) -> LLMEngine:
-    chat = ChatFormat(tokenizer)
-    script = tokenizer.encode("Hello there.", add_special_tokens=False).ids
-    model = ScriptedModel(tokenizer.get_vocab_size(), chat.sep, script, chat.close)
-    return LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=512, max_num_seqs=8))
+    model = scripted_chat_model(tokenizer, "Hello there.")
+    return LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=2048, max_num_seqs=8))
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +112,11 @@ def test_extreme_sampling_values_never_fail_or_stop_the_engine(server, sampling)
         r = post(s, "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2, **sampling})
         assert r.status_code == 200, r.text
         chat = post(s, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                "max_tokens": 3, **sampling})
+                                                "max_tokens": 40, **sampling})
         assert chat.status_code == 200, chat.text
         content = chat.json()["choices"][0]["message"]["content"]
-        assert content and "Hello there.".startswith(content)  # the scripted reply, greedy as it must be
+        # the scripted reply after its (empty) think channel, greedy as it must be
+        assert content and "Hello there.".startswith(content), chat.json()
     assert mate.result()["usage"]["completion_tokens"] == HEALTHY["max_tokens"]
     assert httpx.get(s.url + "/health").status_code == 200 and async_engine.error is None
     wait_idle(engine)

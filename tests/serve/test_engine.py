@@ -24,7 +24,7 @@ from k3.serve.decode_graph import _restore, _snapshot
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.runner import STEP_KINDS
 from k3.serve.sampling import SamplingParams
-from k3.text.chat_format import ChatFormat
+from k3.text.xtml import XTML
 from k3.text.tokenizer import train_tokenizer
 from tests.helpers import recompile_limit_hits
 from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
@@ -265,7 +265,7 @@ def test_short_prompt_hits_on_second_send(model):
 
 
 def test_ten_turn_chat_reuses_previous_turns(model, tokenizer):
-    chat = ChatFormat(tokenizer)
+    chat = XTML(tokenizer)
     engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64))
     messages = [{"role": "system", "content": "You are a helpful assistant. Answer briefly and kindly."}]
     rates = []
@@ -273,12 +273,15 @@ def test_ten_turn_chat_reuses_previous_turns(model, tokenizer):
         messages.append({"role": "user", "content": f"Question {turn}: what is {turn} plus {turn}?"})
         prompt = chat.render(messages)
         request = engine.add_request(prompt.token_ids, SamplingParams(max_tokens=8, temperature=0.0),
-                                     boundaries=prompt.boundaries, eos_token_id=chat.close)
+                                     boundaries=prompt.boundaries, eos_token_id=chat.end_of_msg)
         while not request.status.finished:
             engine.step()
         rates.append(request.num_cached_tokens / request.num_prompt_tokens)
-        reply = chat.parse(tokenizer.decode(request.output_token_ids))
-        messages.append({"role": "assistant", "content": reply.content, "reasoning": reply.reasoning or None})
+        parser = chat.parser_for(prompt)
+        parser.feed(request.output_token_ids)
+        parser.finish()
+        messages.append({"role": "assistant", "content": parser.reply.content,
+                         "reasoning": parser.reply.reasoning or None})
     hit_rate = sum(rates[1:]) / 9
     print(f"10-turn chat: prompt-token hit rate on turns 2-10 = {hit_rate:.1%} (per turn {[f'{r:.0%}' for r in rates]})")
     assert rates[0] == 0 and hit_rate >= 0.7

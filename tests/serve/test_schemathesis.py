@@ -11,9 +11,8 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 
 from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
-from k3.text.chat_format import ChatFormat
 from k3.text.tokenizer import train_tokenizer
-from tests.serve.fakes import ScriptedModel, one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.serve.fakes import scripted_chat_model, one_torch_thread  # noqa: F401 (autouse fixture)
 
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}  # per operation: seconds in all
 
@@ -21,9 +20,7 @@ EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}  # per ope
 @pytest.fixture(scope="module")
 def api():
     tokenizer = train_tokenizer(["The quick brown fox jumps over the lazy dog."] * 4, 300)
-    chat = ChatFormat(tokenizer)
-    script = tokenizer.encode("Fine, thanks.", add_special_tokens=False).ids
-    model = ScriptedModel(tokenizer.get_vocab_size(), chat.sep, script, chat.close)
+    model = scripted_chat_model(tokenizer, "Fine, thanks.")
     # a short model length keeps every generated request quick, whatever max_tokens it asks for
     engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=48, max_num_seqs=8))
     with ServerThread(build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="m")) as server:

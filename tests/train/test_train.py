@@ -145,7 +145,7 @@ def test_bad_input_is_a_clear_error_with_no_output(tmp_path, capsys, case):
     expected = {"missing-data": "does not exist", "empty-corpus": "empty corpus", "unknown-preset": "unknown preset",
                 "seq-too-long": "sequence length 100000", "unwritable-out": "not writable",
                 "resume-with-flags": "drop --steps", "bad-device": "device must be", "cuda-missing": "no CUDA",
-                "small-vocab": "vocab_size must be an integer >= 262", "resume-corrupt-run": "not a readable run file",
+                "small-vocab": "vocab_size must be an integer >= 263", "resume-corrupt-run": "not a readable run file",
                 "resume-unknown-key": "unknown settings ['bogus']"}[case]
     assert err.startswith("k3 train: error:") and expected in err and err.count("\n") == 1, err
     if case.startswith("resume-c") or case.startswith("resume-u"):

@@ -2,8 +2,7 @@
 
 Validation happens here so bad input is a 400 with OpenAI's error JSON
 `{"error": {"message", "type", "param", "code"}}`, never a 5xx. Fields we accept but cannot
-honour are rejected explicitly rather than silently ignored (n > 1, echo, penalties, logit_bias,
-forced tool choice). Numbers and booleans are as JSON Schema has them: `true` is no integer and
+honour are rejected explicitly rather than silently ignored (n > 1, penalties, logit_bias). Numbers and booleans are as JSON Schema has them: `true` is no integer and
 `"1"` no number (`2.0` is the integer 2);
 every string in a body must be valid Unicode (a lone surrogate such as "\\ud800" cannot be
 tokenized) and no value may nest deeper than MAX_DEPTH; tool `parameters` must be a valid JSON
@@ -148,15 +147,19 @@ class CompletionRequest(_Sampling):
     prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
-    max_tokens: Integer | None = Field(16, ge=1, le=MAX_INT)
+    max_tokens: Integer | None = Field(16, ge=0, le=MAX_INT, description="0 (with echo): only score the prompt")
     logprobs: Integer | None = Field(None, ge=0, le=5)
-    echo: Literal[False] = Field(False, description=Unsupported)
+    # the prompt before the completion in `text`, and with logprobs its tokens' logprobs before the
+    # completion's (the first token's null), as vLLM serves them: loglikelihood scoring
+    echo: StrictBool = False
     suffix: str | None = Field(None, max_length=0, description=Unsupported)
 
     @model_validator(mode="after")
     def _single_prompt(self):
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
             self.prompt = self.prompt[0]
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 returns nothing without echo=true")
         return self
 
 
@@ -245,22 +248,54 @@ class Tool(_Request):
     function: FunctionDef
 
 
+class FunctionName(_Request):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ChatTemplateKwargs(BaseModel):
+    """Options of K3's chat template (k3/text/xtml.py); unknown keys are an error, not ignored."""
+    model_config = ConfigDict(extra="forbid")
+    thinking: StrictBool = Field(True, description="false: no think channel, no effort message")
+
+
+# OpenAI's reasoning_effort values; K3 has three levels (the mapping is REASONING_EFFORT in k3/text/xtml.py)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Integer | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: Integer | None = Field(None, ge=1, le=MAX_INT)
     logprobs: StrictBool = False
     top_logprobs: Integer | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = Field(None, description="forcing a tool is not supported")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
     @model_validator(mode="after")
     def _checks(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two tools have the same name")
+        if self.tool_choice not in (None, "none", "auto"):
+            if not names:
+                raise ValueError("tool_choice requires tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
         return self
+
+    @property
+    def thinking(self) -> bool:
+        return self.chat_template_kwargs is None or self.chat_template_kwargs.thinking
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -19,18 +19,19 @@ from tokenizers import Tokenizer
 
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse
+from k3.serve.api.tool_calls import ToolCallChecker
 from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
-from k3.text.chat_format import ChatFormat, ReplyParser
 from k3.text.tokenizer import encode_text
+from k3.text.xtml import XTML
 
 
 @dataclass
 class ServingContext:
     engine: AsyncEngine
     tokenizer: Tokenizer
-    chat: ChatFormat | None  # None: the tokenizer lacks K3's chat markers (completions only)
+    chat: XTML | None  # None: the tokenizer lacks K3's chat markers (completions only)
     model_name: str
     metrics: Metrics
     created: int
@@ -56,19 +57,20 @@ def _ctx(request: Request) -> ServingContext:
 
 # ---------------------------------------------------------------------- plumbing
 def _sampling(ctx: ServingContext, body, prompt_len: int, max_new: int | None, logprobs: int | None,
-              stop_token_ids: list[int]) -> SamplingParams:
+              stop_token_ids: list[int], prompt_logprobs: int | None = None) -> SamplingParams:
     room = ctx.engine.engine.max_model_len - prompt_len
-    if room < 1:
+    if room < 1 and max_new != 0:
         raise APIError(400, f"the prompt ({prompt_len} tokens) fills the model length "
                             f"({ctx.engine.engine.max_model_len})", param="messages", code="context_length_exceeded")
     if max_new is not None and max_new > room:
         raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) exceeds the model length "
                             f"({ctx.engine.engine.max_model_len})", param="max_tokens", code="context_length_exceeded")
     try:
-        return SamplingParams(max_tokens=max_new or room, temperature=1.0 if body.temperature is None else body.temperature,
+        return SamplingParams(max_tokens=room if max_new is None else max_new,
+                              temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, seed=body.seed,
                               stop=body.stop_list, stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos,
-                              logprobs=logprobs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
@@ -188,6 +190,15 @@ def _chat_logprobs(tok: Tokenizer, deltas: list[StreamDelta]) -> dict | None:
     return {"content": entries}
 
 
+def _top_dict(tok: Tokenizer, top: list[tuple[int, float]] | None) -> dict[str, float]:
+    """The legacy top_logprobs dict, text -> logprob. Ids that decode to the same text (byte pieces
+    of one character) keep the best one's logprob, so its maximum stays the top token's."""
+    out: dict[str, float] = {}
+    for i, lp in top or ():
+        out.setdefault(_token_text(tok, i), lp)
+    return out
+
+
 def _completion_logprobs(tok: Tokenizer, deltas: list[StreamDelta], offset: int) -> dict | None:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for d in deltas:
@@ -197,10 +208,33 @@ def _completion_logprobs(tok: Tokenizer, deltas: list[StreamDelta], offset: int)
             s = _token_text(tok, t.token_id)
             out["tokens"].append(s)
             out["token_logprobs"].append(t.logprob)
-            out["top_logprobs"].append({_token_text(tok, i): lp for i, lp in t.top_logprobs or ()})
+            out["top_logprobs"].append(_top_dict(tok, t.top_logprobs))
             out["text_offset"].append(offset)
             offset += len(s)
     return out
+
+
+def _echo(tok: Tokenizer, ids: list[int], text: str, scored: list | None, top: int | None) -> tuple[str, dict | None]:
+    """The echoed prompt of a completion and, with logprobs (`top` not None), its legacy logprobs
+    object: each prompt token, its logprob (the first token's null: nothing precedes it) and its
+    top alternatives, offsets into `text`."""
+    if top is None:
+        return text, None
+    scored = scored or []  # none only when the request failed before scoring (its stream then raises)
+    tokens = [_token_text(tok, i) for i in ids]
+    offsets = [0]
+    for s in tokens[:-1]:
+        offsets.append(offsets[-1] + len(s))
+    return text, {"tokens": tokens, "token_logprobs": [None] + [e.logprob for e in scored],
+                  "top_logprobs": [None] + [_top_dict(tok, e.top_logprobs) for e in scored],
+                  "text_offset": offsets}
+
+
+def _joined(head: dict | None, tail: dict | None) -> dict | None:
+    """Two legacy logprobs objects, one after the other (an echoed prompt's, then the completion's)."""
+    if head is None or tail is None:
+        return head or tail
+    return {key: head[key] + tail[key] for key in head}
 
 
 # ---------------------------------------------------------------------- endpoints
@@ -242,27 +276,41 @@ async def completions(body: CompletionRequest, request: Request):
     ids = await asyncio.to_thread(encode_text, ctx.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-    params = _sampling(ctx, body, len(ids), body.max_tokens, body.logprobs, [])
+    # echo with logprobs scores the prompt in the engine (vLLM's prompt_logprobs); max_tokens 0 scores only
+    scoring = body.echo and (body.logprobs is not None or body.max_tokens == 0)
+    params = _sampling(ctx, body, len(ids), body.max_tokens, body.logprobs, [],
+                       prompt_logprobs=(body.logprobs or 0) if scoring else None)
     rid = f"cmpl-{uuid.uuid4().hex}"
     handle = _submit(ctx, ids, params, rid)
     stream = _timed(ctx, handle, t0)
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
+
+    def echoed(d: StreamDelta) -> tuple[str, dict | None]:
+        text = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)
+        return _echo(ctx.tokenizer, ids, text, d.prompt_logprobs, body.logprobs)
+
     if not body.stream:
         deltas = await _collect(stream, request, handle)
         last = deltas[-1]
-        choice = {"index": 0, "text": "".join(d.text for d in deltas), "finish_reason": last.finish_reason,
-                  "logprobs": _completion_logprobs(ctx.tokenizer, deltas, 0) if body.logprobs is not None else None}
+        head, head_lp = echoed(deltas[0]) if body.echo else ("", None)
+        lp = _completion_logprobs(ctx.tokenizer, deltas, len(head)) if body.logprobs is not None else None
+        choice = {"index": 0, "text": head + "".join(d.text for d in deltas), "finish_reason": last.finish_reason,
+                  "logprobs": _joined(head_lp, lp)}
         return {**base, "choices": [choice], "usage": _usage(last)}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def sse():
-        offset = 0
+        offset, first = 0, True
         try:
             async with aclosing(stream) as deltas:
                 async for d in deltas:
-                    lp = _completion_logprobs(ctx.tokenizer, [d], offset) if body.logprobs is not None else None
-                    offset += len(d.text)
-                    chunk = {**base, "choices": [{"index": 0, "text": d.text, "logprobs": lp,
+                    head, head_lp = echoed(d) if body.echo and first else ("", None)
+                    first = False
+                    lp = (_completion_logprobs(ctx.tokenizer, [d], offset + len(head))
+                          if body.logprobs is not None else None)
+                    lp = _joined(head_lp, lp)
+                    offset += len(head) + len(d.text)
+                    chunk = {**base, "choices": [{"index": 0, "text": head + d.text, "logprobs": lp,
                                                   "finish_reason": d.finish_reason if d.finished else None}]}
                     if include_usage:
                         chunk["usage"] = None
@@ -283,36 +331,47 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_model(ctx, body.model)
     if ctx.chat is None:
         raise APIError(400, "this model's tokenizer has no K3 chat markers; use /v1/completions")
-    use_tools = bool(body.tools) and body.tool_choice != "none"
+    tool_choice = body.tool_choice if not hasattr(body.tool_choice, "model_dump") else body.tool_choice.model_dump()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    use_tools = bool(tools) and tool_choice != "none"
     try:
         rendered = await asyncio.to_thread(
             ctx.chat.render, [m.model_dump(exclude_none=True) for m in body.messages],
-            tools=[t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None,
-            reasoning_effort=body.reasoning_effort)
+            tools=tools if use_tools else None, reasoning_effort=body.reasoning_effort, thinking=body.thinking,
+            tool_choice=tool_choice if use_tools else None)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(ctx, body, len(rendered.token_ids), body.max_new_tokens, top, [ctx.chat.eos])
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    handle = _submit(ctx, rendered.token_ids, params, rid, boundaries=rendered.boundaries, eos_token_id=ctx.chat.close)
+    handle = _submit(ctx, rendered.token_ids, params, rid, boundaries=rendered.boundaries,
+                     eos_token_id=ctx.chat.end_of_msg)
     stream = _timed(ctx, handle, t0)
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
 
-    def finish_reason(d: StreamDelta, parser: ReplyParser) -> str:
-        return "tool_calls" if parser.reply.tool_calls and d.finish_reason == "stop" else d.finish_reason
+    def new_reply():
+        return ctx.chat.parser_for(rendered), ToolCallChecker(tools, parallel=body.parallel_tool_calls is not False)
+
+    def finish_reason(d: StreamDelta, checker: ToolCallChecker) -> str:
+        return "tool_calls" if checker.calls and d.finish_reason == "stop" else d.finish_reason
 
     if not body.stream:
         deltas = await _collect(stream, request, handle)
-        parser = ReplyParser(tools=use_tools)
-        parser.feed("".join(d.text for d in deltas))
-        parser.finish()
+        parser, checker = new_reply()
+        for event in parser.feed([t for d in deltas for t in d.token_ids]) + parser.finish():
+            if event[0] == "tool_call":
+                checker.add(event[2])
+            elif event[0] == "tool_call_error":
+                checker.malformed(event[2])
         reply = parser.reply
-        message = {"role": "assistant", "content": reply.content if reply.content or not reply.tool_calls else None}
+        message = {"role": "assistant", "content": reply.content if reply.content or not checker.calls else None}
         if reply.reasoning:
-            message["reasoning"] = reply.reasoning
-        if reply.tool_calls:
-            message["tool_calls"] = reply.tool_calls
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason(deltas[-1], parser),
+            message["reasoning"] = message["reasoning_content"] = reply.reasoning
+        if checker.calls:
+            message["tool_calls"] = checker.calls
+        if checker.errors:
+            message["tool_call_errors"] = checker.errors
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(deltas[-1], checker),
                   "logprobs": _chat_logprobs(ctx.tokenizer, deltas) if body.logprobs else None}
         return {**base, "choices": [choice], "usage": _usage(deltas[-1])}
 
@@ -326,25 +385,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return _sse(c)
 
     async def sse():
-        parser = ReplyParser(tools=use_tools)
-        n_calls = 0
+        parser, checker = new_reply()
         try:
             async with aclosing(stream) as deltas:
                 yield chunk({"role": "assistant", "content": ""})
                 async for d in deltas:
-                    events = parser.feed(d.text) + (parser.finish() if d.finished else [])
+                    events = parser.feed(d.token_ids) + (parser.finish() if d.finished else [])
                     lp = _chat_logprobs(ctx.tokenizer, [d]) if body.logprobs else None
-                    for kind, value in events:
+                    for event in events:
+                        kind = event[0]
                         if kind == "tool_call":
-                            yield chunk({"tool_calls": [{"index": n_calls, **value}]})
-                            n_calls += 1
+                            accepted = checker.add(event[2])
+                            if accepted is not None:
+                                yield chunk({"tool_calls": [accepted]})
+                        elif kind == "tool_call_error":
+                            checker.malformed(event[2])
+                        elif kind == "reasoning":
+                            yield chunk({"reasoning": event[1], "reasoning_content": event[1]}, logprobs=lp)
+                            lp = None
                         else:
-                            yield chunk({kind: value}, logprobs=lp)
+                            yield chunk({"content": event[1]}, logprobs=lp)
                             lp = None
                     if lp is not None and lp["content"]:
                         yield chunk({}, logprobs=lp)
                     if d.finished:
-                        yield chunk({}, finish_reason(d, parser))
+                        if checker.errors:
+                            yield chunk({"tool_call_errors": checker.errors})
+                        yield chunk({}, finish_reason(d, checker))
                         if include_usage:
                             yield _sse({**base, "choices": [], "usage": _usage(d)})
         except EngineError as e:  # the status line is sent: the error goes in the stream

@@ -26,7 +26,7 @@ from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError
 from k3.serve.api.routes import ServingContext, router
 from k3.serve.engine import AsyncEngine
-from k3.text.chat_format import ChatFormat
+from k3.text.xtml import XTML
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
 
     app = FastAPI(title="k3", lifespan=lifespan)
     try:
-        chat = ChatFormat(tokenizer)
+        chat = XTML(tokenizer)
     except ValueError as e:  # e.g. a Kimi Linear tokenizer: completions only
         log.warning("chat endpoint disabled: %s", e)
         chat = None

@@ -1,0 +1,105 @@
+"""`k3 sft`: supervised fine-tuning in K3's XTML chat format, from a `k3 train` run or a checkpoint.
+
+With only `--run RUN_DIR`, trains on the embedded default SFT set (tool use, short reasoning, plain
+answers) and scores held-out agent episodes at the end. Every default lives in SFTSettings; flags
+left out keep it. Distributed exactly like `k3 train` (torchrun, FSDP2).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from k3.checkpoint.training_state import CheckpointSaveError, ResumeStateError
+from k3.sft.dataset import SFTDataError
+from k3.sft.trainer import SFTSettings, SFTTrainer
+from k3.train.cli import interrupt_advice
+from k3.train.trainer import BALANCE_RULES, TrainError
+
+_DEFAULTS = SFTSettings()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--run", dest="init_run", metavar="RUN_DIR", help="start from this `k3 train` run's latest checkpoint")
+    start.add_argument("--model", dest="init_model", metavar="CHECKPOINT_DIR", help="start from this checkpoint folder")
+    start.add_argument("--resume", metavar="SFT_RUN_DIR", help="continue an SFT run from its latest checkpoint")
+    p.add_argument("--data", help="JSONL of OpenAI-style conversations: {\"messages\": [...], \"tools\": [...]} per line "
+                                  "(default: the embedded default SFT set)")
+    p.add_argument("--val-data", help="held-out JSONL (default: every k-th conversation of --data, k = 1/--val-fraction)")
+    p.add_argument("--val-fraction", type=float, help=f"(default {d.val_fraction})")
+    p.add_argument("--out", help="run folder (default runs/sft-<init>-<timestamp>)")
+    p.add_argument("--train-size", type=int, help=f"default set: train conversations (default {d.train_size})")
+    p.add_argument("--val-size", type=int, help=f"default set: held-out conversations (default {d.val_size})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--batch-size", type=int, help=f"conversations per optimizer step, all ranks (default {d.batch_size})")
+    p.add_argument("--seq-len", type=int, help=f"the longest conversation in tokens; longer is an error (default {d.seq_len})")
+    p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW (default {d.lr})")
+    p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
+    p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
+    p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
+    p.add_argument("--qat", action="store_true", default=None,
+                   help="MXFP4/MXFP8 quantization-aware training of the routed experts (seeds §6.3)")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model's regions (CUDA runs)")
+    p.add_argument("--eval-every", type=int, help=f"steps between held-out evals (default {d.eval_every})")
+    p.add_argument("--agent-episodes", type=int, help=f"held-out agent episodes scored at the end (default {d.agent_episodes})")
+    p.add_argument("--max-reply-tokens", type=int, help=f"tokens per generated reply (default {d.max_reply_tokens})")
+    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
+    p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep})")
+    p.add_argument("--keep-all-state", action="store_true", default=None,
+                   help="optimizer/RNG state in every kept checkpoint, not only the latest")
+    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
+    p.add_argument("--device", help=f"cpu, cuda or cuda:N (default {d.device})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _settings(args) -> SFTSettings:
+    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(SFTSettings)
+               if getattr(args, f.name, None) is not None}
+    init = args.init_run or args.init_model
+    if not init:
+        raise TrainError("say where to start: --run RUN_DIR (a `k3 train` run) or --model CHECKPOINT_DIR")
+    return dataclasses.replace(_DEFAULTS, **changes, init=init)
+
+
+def run(args) -> int:
+    try:
+        if args.resume:
+            given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                     if v not in (None, False) and k not in ("resume", "no_progress")]
+            if given:
+                raise TrainError(f"--resume continues a run with its saved settings; drop {' '.join(given)}")
+            trainer = SFTTrainer.from_run(args.resume, progress=not args.no_progress)
+        else:
+            trainer = SFTTrainer(_settings(args), progress=not args.no_progress)
+    except (TrainError, SFTDataError, ResumeStateError) as e:
+        print(f"k3 sft: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = trainer.train()
+    except KeyboardInterrupt:
+        if trainer.world.is_main:
+            print(f"\n{interrupt_advice(trainer.run_dir, trainer.s.ckpt_every).replace('k3 train', 'k3 sft')}",
+                  file=sys.stderr)
+        return 130
+    except CheckpointSaveError as e:
+        print(f"k3 sft: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.close()
+    if trainer.world.is_main:
+        run_dir = result["run_dir"]
+        lines = [f"\nSFT run saved to {run_dir}",
+                 (f"  held-out assistant loss {result['val_loss']:.4f} nats/token ({result['val_tokens']:,} tokens), "
+                  f"{result['elapsed'] / 60:.1f} min")]
+        agent = result.get("agent")
+        if agent:
+            lines.append("  held-out agent episodes: " + ", ".join(
+                f"{k.replace('_', ' ')} {v:.0%}" for k, v in agent.items() if isinstance(v, float)))
+        lines += [f"  checkpoint {result['checkpoint']}",
+                  f"  report {run_dir}/report.md, loss curve {run_dir}/loss.png",
+                  f"  try: k3 chat --run {run_dir}   or   k3 serve --run {run_dir}"]
+        print("\n".join(lines))
+    return 0

@@ -1,0 +1,256 @@
+"""Supervised fine-tuning in K3's XTML chat format (`k3 sft`), on the pretraining Trainer's machinery.
+
+The run starts from a checkpoint (a `k3 train` run's latest, or any checkpoint folder) and its
+tokenizer, which must hold K3's four chat markers. Each conversation is rendered once by the one
+XTML renderer; the loss is the mean next-token cross-entropy over the assistant tokens of the global
+batch (k3/sft/batches.py), so system, user, tool-declaration and tool-result tokens are context only.
+Everything else is `k3 train`'s: Per-Head Muon + AdamW, warmup-cosine, the expert-balance rule,
+optional MXFP4/MXFP8 QAT (seeds §6.3: QAT is on from SFT on in K3), FSDP2 under torchrun, atomic
+checkpoints with exact resume, metrics.jsonl, loss.png and report.md. At the end, held-out agent
+episodes are run and scored (k3/sft/agent_eval.py) when the held-out set carries expected answers.
+The checkpoint's tokenizer_config.json gets a `chat_template`, which marks the model chat-tuned for
+`k3 serve` and `k3 chat`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from k3.checkpoint.official import CheckpointError, load_pretrained
+from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
+from k3.sft import default_set
+from k3.sft.agent_eval import run_episodes
+from k3.sft.batches import example, pack_examples, rows_of
+from k3.sft.dataset import SFTDataError, check_length, read_conversations
+from k3.text.tokenizer import load_tokenizer, save_tokenizer
+from k3.text.xtml import XTML
+from k3.train.balance import balance_step, expert_loads
+from k3.train.errors import TrainError
+from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
+from k3.train.packing import IGNORE_INDEX, windows_for_step
+from k3.train.parallel import all_reduce_sum
+from k3.train.trainer import BALANCE_RULES, EVAL_ROW_TOKENS, Trainer
+
+AGENT_FILE = "agent_eval.jsonl"
+
+
+@dataclass
+class SFTSettings:
+    """Everything that defines an SFT run (saved as run.json; `--resume` reads it back)."""
+    init: str = ""  # a `k3 train` run folder (its latest checkpoint) or a checkpoint folder
+    data: str | None = None  # a JSONL of OpenAI-style conversations; None: the embedded default set
+    val_data: str | None = None  # held-out JSONL; None: the default set's held-out split, or val_fraction of `data`
+    val_fraction: float = 0.05
+    out: str | None = None  # run folder; None: runs/sft-<init>-<timestamp>
+    train_size: int = 3000  # conversations drawn from the default set (train split)
+    val_size: int = 200  # held-out conversations of the default set (loss and agent episodes)
+    steps: int = 120
+    batch_size: int = 16  # conversations per optimizer step, over all ranks and micro-batches
+    seq_len: int = 1024  # the longest conversation, in tokens; a longer one is an error naming its line
+    grad_accum: int = 1
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    balance: str = "quantile"
+    qat: bool = False
+    compile: bool = False
+    eval_every: int = 40
+    agent_episodes: int = 200  # held-out episodes scored at the end (0: none)
+    max_reply_tokens: int = 160
+    ckpt_every: int = 40
+    keep: int = 2
+    keep_all_state: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    cache_dir: str | None = None
+
+
+def _validate(s: SFTSettings, world_size: int, max_positions: int) -> None:
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise TrainError(msg)
+
+    need(bool(s.init), "an initial checkpoint is required: --run RUN_DIR or --model CHECKPOINT_DIR")
+    need(s.steps >= 1, f"steps must be >= 1, got {s.steps}")
+    need(s.batch_size >= 1 and s.grad_accum >= 1, "batch size and grad accumulation must be >= 1")
+    need(s.batch_size % (world_size * s.grad_accum) == 0,
+         f"batch size {s.batch_size} must be divisible by world size {world_size} x grad accumulation {s.grad_accum}")
+    need(2 <= s.seq_len <= max_positions,
+         f"--seq-len {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
+    need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
+    need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
+    need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
+    need(s.train_size >= 1 and s.val_size >= 1, "train and val sizes must be >= 1")
+    need(0 < s.val_fraction < 1, f"val fraction must be in (0, 1), got {s.val_fraction}")
+    need(s.agent_episodes >= 0 and s.max_reply_tokens >= 1, "agent episodes must be >= 0, max reply tokens >= 1")
+
+
+class SFTTrainer(Trainer):
+    SETTINGS = SFTSettings
+    OPTIONAL_STRINGS = ("data", "val_data", "out", "cache_dir")
+
+    @staticmethod
+    def default_run_name(settings) -> str:
+        return f"sft-{Path(settings.init).name}"
+
+    def _setup(self, settings: SFTSettings, resume: bool) -> None:
+        self._prepare_run_dir(settings, resume)
+        own = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
+        try:
+            source = own or resolve_checkpoint(settings.init)
+            model = load_pretrained(source)
+        except (FileNotFoundError, CheckpointError, ValueError) as e:
+            raise TrainError(f"cannot load the initial checkpoint: {e}") from None
+        _validate(settings, self.world.size, model.config.max_position_embeddings)
+        self.source = source
+        self.tokenizer = load_tokenizer(self.run_dir if resume else source)
+        self._adopt_tokenizer(model.config)
+        try:
+            self.chat = XTML(self.tokenizer)
+        except ValueError as e:
+            raise TrainError(f"{source}: {e}; SFT needs a tokenizer trained with K3's chat markers") from None
+        self._setup_conversations(settings)
+        self._write_run_files(settings, resume)
+        self._setup_model(model, resume)
+
+    def _render(self, conversations) -> list:
+        out = []
+        for c in conversations:
+            try:
+                r = self.chat.render(c.messages, tools=c.tools, add_generation_prompt=False)
+                check_length(c, len(r.token_ids), self.s.seq_len)
+            except ValueError as e:
+                if isinstance(e, SFTDataError):
+                    raise
+                raise SFTDataError(f"{c.where}: {e}") from None
+            if not any(r.loss_mask[1:]):
+                raise SFTDataError(f"{c.where}: no assistant tokens to learn")
+            out.append(example(r.token_ids, r.loss_mask, c.line))
+        return out
+
+    def _setup_conversations(self, s: SFTSettings) -> None:
+        if s.data is None:
+            train = default_set.load("train", s.train_size, s.seed)
+            held = default_set.load("heldout", s.val_size, s.seed)
+        else:
+            train = read_conversations(s.data)
+            held = read_conversations(s.val_data) if s.val_data is not None else []
+        self.log(f"rendering {len(train) + len(held)} conversations ...")
+        train_examples, val_examples = self._render(train), self._render(held)  # every line checked first
+        if s.data is not None and s.val_data is None:  # every k-th conversation: deterministic, spread out
+            k = max(2, min(round(1 / s.val_fraction), len(train)))
+            held = train[k - 1::k]
+            val_examples = val_examples + train_examples[k - 1::k]
+            train = [c for i, c in enumerate(train) if i % k != k - 1]
+            train_examples = [e for i, e in enumerate(train_examples) if i % k != k - 1]
+        if not train_examples or not val_examples:
+            raise SFTDataError(f"{s.data}: too few conversations to hold some out "
+                               f"(train {len(train_examples)}, held-out {len(val_examples)})")
+        self.train_examples, self.val_examples = train_examples, val_examples
+        self.held_conversations = [c for c in held if c.expected is not None][:s.agent_episodes]
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        s, world = self.s, self.world
+        chosen = windows_for_step(len(self.train_examples), s.seed, self.step, s.batch_size)
+        targets = sum(self.train_examples[i].targets for i in chosen)
+        per_rank = s.batch_size // world.size
+        mine = chosen[world.rank * per_rank:(world.rank + 1) * per_rank]
+        micro = per_rank // s.grad_accum
+        self.model.train()
+        nll = torch.zeros((), device=world.device)
+        step_tokens = 0
+        for j in range(s.grad_accum):
+            batch = pack_examples([self.train_examples[i] for i in mine[j * micro:(j + 1) * micro]]).to(world.device)
+            step_tokens += batch.input_ids.shape[1]
+            loss_sum = self._loss_sum(batch)
+            (loss_sum * (world.size / targets)).backward()
+            nll += loss_sum.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loads = expert_loads(self.model)
+        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
+        self.step += 1
+        self.tokens_seen += int(all_reduce_sum(torch.tensor(float(step_tokens), device=world.device), world))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        max_load = max((float(v.max()) / max(float(v.float().mean()), 1e-9) for v in loads.values()), default=0.0)
+        return {"kind": "train", "step": self.step, "loss": float(all_reduce_sum(nll, world)) / targets, "lr": lr,
+                "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3),
+                "step_tokens": step_tokens * world.size}
+
+    # ------------------------------------------------------------------ eval and samples
+    @torch.no_grad()
+    def evaluate(self, max_windows: int | None = None) -> dict:
+        """Loss over the held-out conversations' assistant tokens (nats/token) and bits per byte of them."""
+        self.model.eval()
+        nats, tokens, nbytes = 0.0, 0, 0
+        for row in rows_of(self.val_examples, EVAL_ROW_TOKENS):
+            batch = pack_examples(row).to(self.world.device)
+            nats += float(self._loss_sum(batch))
+            valid = batch.labels[0][batch.labels[0] != IGNORE_INDEX].cpu()
+            tokens += valid.numel()
+            nbytes += int(self.token_bytes[valid].sum())
+        self.model.train()
+        return {"kind": "eval", "step": self.step, "val_loss": nats / max(tokens, 1),
+                "val_bpb": nats / math.log(2) / max(nbytes, 1), "val_tokens": tokens, "val_bytes": nbytes}
+
+    @torch.no_grad()
+    def samples(self, temperature: float = 0.0, top_p: float = 1.0) -> list[dict]:
+        """Greedy replies to the first two held-out prompts, shown with their XTML markers."""
+        from k3.sft.agent_eval import prompt_messages, replies
+
+        held = self.held_conversations[:2]
+        if not held:
+            return []
+        asked = [(prompt_messages(c.messages), c.tools) for c in held]
+        _, outs = replies(self.model, self.chat, asked, self.s.max_reply_tokens)
+        return [{"kind": "sample", "step": self.step, "prompt": m[-1].get("content") or "",
+                 "text": "\n" + self.tokenizer.decode(o, skip_special_tokens=False)} for (m, _), o in zip(asked, outs)]
+
+    # ------------------------------------------------------------------ outputs
+    def train(self) -> dict:
+        result = super().train()
+        if self.held_conversations and self.world.is_main:
+            t0 = time.perf_counter()
+            self.log(f"scoring {len(self.held_conversations)} held-out agent episodes ...")
+            summary, episodes = run_episodes(self.model, self.chat, self.held_conversations, self.s.max_reply_tokens)
+            self.elapsed += time.perf_counter() - t0
+            record = {"kind": "agent", "step": self.step, "episodes": len(episodes), **summary}
+            self.metrics.write(record)
+            (self.run_dir / AGENT_FILE).write_text("".join(json.dumps(e) + "\n" for e in episodes))
+            self.write_outputs(self.metrics.read(), Path(result["checkpoint"]))
+            result["agent"] = record
+        result["elapsed"] = self.elapsed
+        return result
+
+    def write_outputs(self, records: list[dict], checkpoint: Path | None) -> None:
+        s = self.s
+        plot_losses(records, self.run_dir / PLOT_FILE,
+                    title=f"{self.run_dir.name}: SFT of {self.params['total'] / 1e6:.1f}M parameters")
+        agent = [r for r in records if r["kind"] == "agent"]
+        extra = []
+        if agent:
+            a = agent[-1]
+            extra = ["## Held-out agent episodes", "", "| | |", "|---|---|",
+                     *(f"| {k.replace('_', ' ')} | {a[k]:.1%} |" for k in a if isinstance(a[k], float)),
+                     f"| episodes | {a['episodes']} (each: `{AGENT_FILE}`) |", ""]
+        write_report(self.run_dir / REPORT_FILE, settings=dataclasses.asdict(s), params=self.params, records=records,
+                     wall_time_s=self.elapsed, checkpoint=checkpoint, title="k3 SFT run",
+                     model=f"SFT of `{self.source}`",
+                     data=s.data or f"embedded default SFT set ({s.train_size} train / {s.val_size} held-out)",
+                     batch=f"{s.batch_size} conversations (of at most {s.seq_len} tokens)", extra=extra)
+
+    def save_tokenizer_to(self, folder: Path) -> None:
+        from k3.text.chat_template import CHAT_TEMPLATE
+
+        save_tokenizer(self.tokenizer, folder, chat_template=CHAT_TEMPLATE)  # the mark of a chat model

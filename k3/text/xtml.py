@@ -1,0 +1,827 @@
+"""K3's XTML chat format: the one renderer (messages -> token ids, loss mask, turn boundaries) and the
+one incremental parser (reply token ids -> reasoning / content / tool calls), shared by SFT
+masking, the server and `k3 chat`.
+
+Four special tokens structure a conversation; tag names and attributes are ordinary text:
+    <|open|>message role="user"<|sep|>TEXT<|close|>message<|sep|><|end_of_msg|>
+Markers are token ids, inserted by the renderer and matched by id in the parser, never found in
+text: a user typing "<|open|>" gets text tokens (the tokenizer's `prepare`), and the parser never
+sees a marker there.
+
+The format follows Moonshot's `encoding_k3.py` (moonshotai/Kimi-K3 on Hugging Face), read through
+public copies and ports, since the file itself is not in reach here:
+  [enc]   vllm-project/vllm vllm/tokenizers/encoding_k3.py: a copy of `build_chat_segments` whose
+          header names the HF file as its source.
+  [asc]   vllm-project/vllm-ascend vllm_ascend/patch/platform/patch_kimi_k3_renderer.py (OpenAI
+          request fields -> encoder arguments) and .../kimi_k3_xtml.py (its strict reply parser).
+  [ports] golden strings of a Rust port (rabbit's `kimi_k3` template), SGLang model gateway's
+          Rust port of `build_chat_segments`, NVIDIA dynamo's K3 reply renderer.
+Decisions, each with its source:
+  - Order: a `tool-declare` system message (when tools are offered), then the `thinking-effort`
+    system message (thinking on only), then the messages, then a `tool-choice` system message
+    (tool_choice required), then the generation prompt. [enc]
+  - Tools are declared as "# Tools\\nHere are the available tools, described in JSONSchema.\\n\\n```json\\n"
+    + the tools list exactly as given (OpenAI shape), keys deep-sorted, compact JSON, non-ASCII
+    kept + "\\n```". A system message carrying `tools` declares them mid-conversation ("## New
+    Tools Available ..."). [enc]
+  - Effort: the message text is the official one (it names `medium`, which the encoder rejects);
+    the encoder accepts low / high / max, and the chat template defaults to max, so with thinking
+    on an effort message is always rendered; with thinking off none is. [enc; the default is
+    `tokenization_kimi.py`'s `kwargs.setdefault("thinking_effort", "max")`, quoted by several ports]
+  - OpenAI's reasoning_effort maps as [asc] does: minimal, low -> low; medium, high -> high;
+    xhigh, max -> max; none turns thinking off (no think channel, no effort message).
+  - Messages: user / system (developer becomes system [asc]) carry `name="…"` when given; so does
+    assistant ([enc]; an older derived copy omits it: we follow [enc]). Content is a string or
+    text parts, concatenated; images are not supported here.
+  - Assistant: with thinking on, `<|open|>think<|sep|>REASONING<|close|>think<|sep|>` on EVERY
+    assistant message (the channel is structural: empty when there is no reasoning or it is only
+    whitespace; `reasoning_content`, else `reasoning`); with thinking off the channel is dropped
+    from every message. Then `<|open|>response<|sep|>CONTENT<|close|>response<|sep|>`, then, with
+    calls, `<|open|>tools<|sep|>` + `<|open|>call tool="NAME" index="N"<|sep|>…<|close|>call<|sep|>`
+    (N counts from 1) + `<|close|>tools<|sep|>`. [enc]
+  - Call arguments (an OpenAI JSON string or a dict) become one typed child per key, in the
+    given order: `<|open|>argument key="K" type="T"<|sep|>V<|close|>argument<|sep|>`, T one of
+    string / number / boolean / null / object / array, V the string itself or Python's
+    `json.dumps(v, ensure_ascii=False)` (default separators). Arguments that are not valid JSON
+    are kept verbatim in `<|open|>json type="object"<|sep|>…<|close|>json<|sep|>`; valid JSON that
+    is not an object is an error. [enc] The parser reads both forms [asc].
+  - Tool results: `<|open|>message role="tool" tool="NAME" index="I"<|sep|>…`, I counting the tool
+    messages since the last assistant message from 1; a run of results whose ids all match the
+    calls is put in call order; the name comes from the matched call, else from `name`, else by
+    position. [enc] We raise ValueError for a `tool_call_id` that matches no call of the last
+    assistant message (the encoder falls back to position; a wrong id is a client bug).
+  - Only attribute values are escaped (`&` -> `&amp;`, then `"` -> `&quot;`); text never is. [enc]
+  - Generation prompt: `<|open|>message role="assistant"<|sep|><|open|>think<|sep|>`, or
+    `…<|open|>response<|sep|>` with thinking off. [enc] A reply ends with
+    `<|close|>message<|sep|><|end_of_msg|>` (end_of_msg is the checkpoint's eos [ports]) or at eos.
+  - tool_choice: "auto"/None as is; "none" offers no tools at all (the encoder would declare them
+    and add a "MUST NOT call" message: our choice, as the issue asks); "required" adds the
+    official tool-choice message and, in the generation prompt, forces a call: the prompt goes on
+    past an empty think channel (skipping thinking) and an empty response channel and ends
+    opening the tools element, `…<|open|>tools<|sep|>`; a named tool choice does the same and
+    also opens `<|open|>call tool="NAME" index="1"<|sep|>` (all tools stay declared, so the
+    declaration prefix is the same whatever the choice). `Rendered.opened` says what the prompt
+    left open; `XTML.parser_for(rendered)` parses a reply from there.
+
+Loss mask: True exactly on what the model must emit after the generation prompt, for each
+assistant message: from the first token after `<|open|>think<|sep|>` (thinking on) or
+`<|open|>response<|sep|>` (off) through `<|close|>message<|sep|><|end_of_msg|>`. The official
+history rule renders every assistant message the same way (reasoning kept everywhere with
+thinking on, dropped everywhere with it off), so every assistant message in the history is
+exactly what the model emitted at that turn and all of them carry loss, reasoning included; with
+thinking off no reasoning is trained. `render(msgs[:i])` with the generation prompt is a token
+prefix of `render(msgs[:i+1])` at every assistant message i (not with tool_choice "required": its
+tool-choice message follows the last message; nor for an assistant message with a `name`).
+
+Parser: events are ("reasoning", text), ("content", text), ("tool_call", i, call) with i the
+call's index in `reply.tool_calls` (OpenAI's streaming index, dense), and
+("tool_call_error", j, message) with j the 0-based position of the malformed call element in the
+reply (the official index attribute minus one). Recovery: an element opened where it cannot be
+(a `response` inside `think`, a `call` after an unclosed one) closes the open ones first; a close
+tag closes everything inside it; a call outside `tools` opens `tools`; a reply cut short keeps
+what was seen and reports an unclosed call as an error. A malformed call never raises.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer, decoders
+
+from k3.text.tokenizer import CHAT_MARKERS, SPECIAL_TOKENS, encode_texts, prepare, special_ids
+
+EFFORTS = ("low", "high", "max")
+DEFAULT_EFFORT = "max"  # the official chat template's default
+# OpenAI's reasoning_effort onto K3's levels; None: "none" turns thinking off.
+REASONING_EFFORT: dict[str, str | None] = {"none": None, "minimal": "low", "low": "low", "medium": "high",
+                                            "high": "high", "xhigh": "max", "max": "max"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ARGUMENT_TYPES = ("string", "number", "boolean", "null", "object", "array")
+
+EFFORT_TEXT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the "
+               "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+               "Now the system is invoked with `thinking_effort={}`.")
+TOOLS_TEXT = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{}\n```"
+NEW_TOOLS_TEXT = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+                  "You have access to all existing and extended tools.\n"
+                  "Here are the specs for the extended tools.\n\n```json\n{}\n```")
+TOOL_CHOICE_REQUIRED_TEXT = "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message."
+
+
+def map_reasoning_effort(value: str | None) -> str | None:
+    """OpenAI's reasoning_effort -> K3's level. None for None (the default, max, applies) and for
+    "none" (which means thinking off: `render` turns it off)."""
+    if value is None:
+        return None
+    if value not in REASONING_EFFORT:
+        raise ValueError(f"reasoning_effort must be one of {list(REASONING_EFFORT)}, got {value!r}")
+    return REASONING_EFFORT[value]
+
+
+def escape_attr(value) -> str:
+    return str(value).replace("&", "&amp;").replace('"', "&quot;")
+
+
+def unescape_attr(value: str) -> str:
+    return value.replace("&quot;", '"').replace("&amp;", "&")  # this order keeps "&amp;quot;" literal
+
+
+def _json_compact(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _deep_sort(value):
+    if isinstance(value, dict):
+        return {k: _deep_sort(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_deep_sort(v) for v in value]
+    return value
+
+
+def _xtml_type(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "object" if isinstance(value, dict) else "array"
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content: a string, None, or a list of text parts (concatenated). Every bad
+    message raises ValueError (the server answers 400 to one exception type)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string, null or a list of text parts")  # noqa: TRY004
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _call_arguments(arguments, where: str) -> tuple[dict, str | None]:
+    """(typed arguments, None) or ({}, raw text) for arguments that are not valid JSON."""
+    if arguments is None:
+        return {}, None
+    if isinstance(arguments, dict):
+        return arguments, None
+    if not isinstance(arguments, str):
+        raise ValueError(f"{where}: arguments must be a JSON object string or a dict")  # noqa: TRY004
+    if not arguments.strip():
+        return {}, None
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}, arguments
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{where}: arguments must be a JSON object, got {type(parsed).__name__}")  # noqa: TRY004
+    return parsed, None
+
+
+def _call_function(call, where: str) -> dict:
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"{where}: a tool call needs a function name")
+    return fn
+
+
+def _tool_name(tool) -> str | None:
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    return fn.get("name") if isinstance(fn, dict) else None
+
+
+def _normalize(messages: list[dict]) -> list[dict]:
+    """Roles checked, developer -> system, and each run of tool results resolved against the last
+    assistant message's calls: by id (an unknown id raises), put in call order when all match."""
+    out: list[dict] = []
+    calls: list = []  # the last assistant message's tool calls
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise ValueError(f"messages[{i}]: role must be one of {list(ROLES)}, got {role!r}")
+        if m["role"] != "tool":
+            if m["role"] == "assistant":
+                calls = m.get("tool_calls") or []
+            out.append({**m, "role": "system"} if m["role"] == "developer" else m)
+            i += 1
+            continue
+        by_id: dict[str, tuple[int, str]] = {}
+        for pos, call in enumerate(calls):
+            if isinstance(call, dict) and call.get("id") is not None:
+                by_id.setdefault(str(call["id"]), (pos, _call_function(call, f"messages[{i}]")["name"]))
+        run = []
+        while i < len(messages) and isinstance(messages[i], dict) and messages[i].get("role") == "tool":
+            t = messages[i]
+            call_id = t.get("tool_call_id")
+            if call_id is None:
+                run.append((None, t))
+            elif str(call_id) not in by_id:
+                raise ValueError(f"messages[{i}]: tool_call_id {call_id!r} matches no call of the preceding "
+                                 f"assistant message")
+            else:
+                pos, name = by_id[str(call_id)]
+                run.append((pos, {**t, "tool": name}))
+            i += 1
+        if all(pos is not None for pos, _ in run):
+            run.sort(key=lambda item: item[0])  # stable: results of one call keep their order
+        out.extend(t for _, t in run)
+    return out
+
+
+class _Builder:
+    """The rendered conversation as parts: (marker name, "", train) or (None, text, train)."""
+
+    def __init__(self):
+        self.parts: list[tuple[str | None, str, bool]] = []
+        self.starts: list[int] = []  # part index where each message starts
+        self.train = False
+
+    def marker(self, name: str) -> None:
+        self.parts.append((name, "", self.train))
+
+    def text(self, text: str) -> None:
+        if text:
+            self.parts.append((None, text, self.train))
+
+    def open(self, tag: str, attrs=()) -> None:
+        self.marker("open")
+        self.text(tag + "".join(f' {k}="{escape_attr(v)}"' for k, v in attrs))
+        self.marker("sep")
+
+    def close(self, tag: str) -> None:
+        self.marker("close")
+        self.text(tag)
+        self.marker("sep")
+
+    def message(self, attrs, body: str) -> None:
+        self.starts.append(len(self.parts))
+        self.open("message", attrs)
+        self.text(body)
+        self.end_message()
+
+    def end_message(self) -> None:
+        self.close("message")
+        self.marker("end_of_msg")
+
+
+@dataclass
+class Rendered:
+    token_ids: list[int]
+    boundaries: tuple[int, ...]  # token index where each message starts (>0 only), for prefix-cache checkpoints
+    loss_mask: list[bool]  # same length as token_ids: True exactly on tokens an assistant must emit
+    opened: str | None = None  # what the generation prompt left open: think / response / tools / call
+    forced_tool: str | None = None  # the tool of the call element the prompt opened (named tool_choice)
+    tools_offered: bool = False  # tools were declared (tool_choice "none" declares none)
+
+
+@dataclass
+class Reply:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI shape, the well-formed calls
+    errors: list[str] = field(default_factory=list)  # one line per malformed call or stray element
+    complete: bool = False  # ended at end_of_msg / eos or closed its message (False: cut short)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet: GPT-2's printable stand-in character for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = dict(zip(keep, keep))
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+def _token_bytes(tokenizer: Tokenizer) -> list[bytes]:
+    """The bytes each id stands for (none for special tokens), so text is decoded incrementally and
+    a character split across tokens is held back rather than broken."""
+    specials = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    table = _byte_decoder() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+    out = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        token = tokenizer.id_to_token(i)
+        if token is None or i in specials:
+            out.append(b"")
+        elif table is not None and all(c in table for c in token):
+            out.append(bytes(table[c] for c in token))
+        else:  # not byte-level: whole tokens only
+            out.append(tokenizer.decode([i], skip_special_tokens=False).encode())
+    return out
+
+
+class XTML:
+    """K3's chat format over a tokenizer that has the four markers (every tokenizer k3 trains)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        ids = special_ids(tokenizer)  # ValueError naming the missing markers
+        prepare(tokenizer)  # literal marker text in messages encodes as text
+        self.tokenizer = tokenizer
+        self.marker_ids = {name: ids[name] for name in CHAT_MARKERS}
+        self.open, self.sep, self.close = ids["open"], ids["sep"], ids["close"]
+        self.end_of_msg, self.eos = ids["end_of_msg"], ids["eos"]
+        self.stop_ids = (self.end_of_msg, self.eos)  # a reply stops at either
+        self.token_bytes = _token_bytes(tokenizer)
+
+    # ---- rendering
+
+    def _build(self, messages, tools, reasoning_effort, thinking, add_generation_prompt, tool_choice):
+        if reasoning_effort == "none":
+            thinking, effort = False, None
+        else:
+            effort = map_reasoning_effort(reasoning_effort) or DEFAULT_EFFORT
+        tools = list(tools or [])
+        forced = None
+        if tool_choice in (None, "auto", "none", "required"):
+            choice = tool_choice or "auto"
+        elif (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+              and isinstance(tool_choice.get("function"), dict) and isinstance(tool_choice["function"].get("name"), str)):
+            choice, forced = "required", tool_choice["function"]["name"]
+            if forced not in {_tool_name(t) for t in tools}:
+                raise ValueError(f"tool_choice names {forced!r}, which is not among the tools")
+        else:
+            raise ValueError(f'tool_choice must be "auto", "none", "required" or {{"type": "function", '
+                             f'"function": {{"name": ...}}}}, got {tool_choice!r}')
+        if choice == "required" and not tools:
+            raise ValueError("tool_choice requires tools")
+        if choice == "none":
+            tools = []
+        b = _Builder()
+        if tools:
+            b.message([("role", "system"), ("type", "tool-declare")], TOOLS_TEXT.format(_json_compact(_deep_sort(tools))))
+        if thinking:
+            b.message([("role", "system"), ("type", "thinking-effort")], EFFORT_TEXT.format(effort))
+        calls: list = []
+        tool_index = 0
+        for i, m in enumerate(_normalize(list(messages))):
+            where, role = f"messages[{i}]", m["role"]
+            if role == "system" and m.get("tools"):
+                b.message([("role", "system"), ("type", "tool-declare")],
+                          NEW_TOOLS_TEXT.format(_json_compact(_deep_sort(m["tools"]))))
+            elif role in ("system", "user"):
+                attrs = [("role", role)] + ([("name", m["name"])] if m.get("name") else [])
+                b.message(attrs, _content_text(m.get("content"), where))
+            elif role == "tool":
+                tool_index += 1
+                name = m.get("tool") or m.get("name")
+                if not name and tool_index <= len(calls):
+                    name = _call_function(calls[tool_index - 1], where)["name"]
+                if not name:
+                    raise ValueError(f"{where}: a tool result needs a tool_call_id that matches a call")
+                b.message([("role", "tool"), ("tool", name), ("index", tool_index)], _content_text(m.get("content"), where))
+            else:
+                calls, tool_index = m.get("tool_calls") or [], 0
+                self._assistant(b, m, thinking, where)
+        if choice == "required":
+            b.message([("role", "system"), ("type", "tool-choice")], TOOL_CHOICE_REQUIRED_TEXT)
+        opened = None
+        if add_generation_prompt:
+            b.starts.append(len(b.parts))
+            b.open("message", [("role", "assistant")])
+            if choice == "required":  # a call is the only way on: the think channel is skipped (left empty)
+                if thinking:
+                    b.open("think")
+                    b.close("think")
+                b.open("response")
+                b.close("response")
+                b.open("tools")
+                opened = "tools"
+                if forced is not None:
+                    b.open("call", [("tool", forced), ("index", 1)])
+                    opened = "call"
+            else:
+                opened = "think" if thinking else "response"
+                b.open(opened)
+        return b, opened, forced if opened == "call" else None, bool(tools)
+
+    def _assistant(self, b: _Builder, m: dict, thinking: bool, where: str) -> None:
+        b.starts.append(len(b.parts))
+        b.open("message", [("role", "assistant")] + ([("name", m["name"])] if m.get("name") else []))
+        if thinking:  # the structural think channel; loss starts after the part a generation prompt supplies
+            b.open("think")
+            b.train = True
+            reasoning = m.get("reasoning_content") or m.get("reasoning")
+            if reasoning is not None and str(reasoning).strip():
+                b.text(str(reasoning))
+            b.close("think")
+            b.open("response")
+        else:
+            b.open("response")
+            b.train = True
+        b.text(_content_text(m.get("content"), where))
+        b.close("response")
+        calls = m.get("tool_calls") or []
+        if calls:
+            b.open("tools")
+            for n, call in enumerate(calls, start=1):
+                fn = _call_function(call, f"{where}.tool_calls[{n - 1}]")
+                args, raw = _call_arguments(fn.get("arguments"), f"{where}.tool_calls[{n - 1}]")
+                b.open("call", [("tool", fn["name"]), ("index", n)])
+                if raw is not None:
+                    b.open("json", [("type", "object")])
+                    b.text(raw)
+                    b.close("json")
+                for key, value in args.items():
+                    b.open("argument", [("key", key), ("type", _xtml_type(value))])
+                    b.text(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+                    b.close("argument")
+                b.close("call")
+            b.close("tools")
+        b.end_message()
+        b.train = False
+
+    def render(self, messages: list[dict], *, tools: list[dict] | None = None, reasoning_effort: str | None = None,
+               thinking: bool = True, add_generation_prompt: bool = True, tool_choice=None) -> Rendered:
+        b, opened, forced, offered = self._build(messages, tools, reasoning_effort, thinking, add_generation_prompt,
+                                                 tool_choice)
+        runs: list[str] = []  # each text run between two markers, encoded in one batch
+        layout: list[tuple[int, bool, bool]] = []  # (marker id or run index, is_marker, train)
+        layout_of: list[int] = []  # each part's layout item
+        for name, text, train in b.parts:
+            if name is not None:
+                layout.append((self.marker_ids[name], True, train))
+            elif layout and not layout[-1][1]:
+                if layout[-1][2] != train:
+                    raise AssertionError("the loss mask changes inside a text run")
+                runs[layout[-1][0]] += text
+            else:
+                layout.append((len(runs), False, train))
+                runs.append(text)
+            layout_of.append(len(layout) - 1)
+        encoded = encode_texts(self.tokenizer, runs)
+        ids: list[int] = []
+        mask: list[bool] = []
+        offset: list[int] = []  # token index of each layout item
+        for value, is_marker, train in layout:
+            offset.append(len(ids))
+            new = [value] if is_marker else encoded[value]
+            ids += new
+            mask += [train] * len(new)
+        boundaries = tuple(offset[layout_of[s]] for s in b.starts if offset[layout_of[s]] > 0)
+        return Rendered(ids, boundaries, mask, opened, forced, offered)
+
+    def render_text(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    reasoning_effort: str | None = None, thinking: bool = True, add_generation_prompt: bool = True,
+                    tool_choice=None) -> str:
+        """The string form of `render` (markers as their literal text), for golden tests and logs."""
+        b, *_ = self._build(messages, tools, reasoning_effort, thinking, add_generation_prompt, tool_choice)
+        return "".join(SPECIAL_TOKENS[name] if name is not None else text for name, text, _ in b.parts)
+
+    # ---- parsing
+
+    def parser(self, *, thinking: bool = True, tools: bool = True, opened: str | None = None,
+               forced_tool: str | None = None) -> ReplyParser:
+        """A parser for the reply to `render(add_generation_prompt=True)`. `opened` is what that
+        prompt left open (`Rendered.opened`; default: think with thinking on, else response);
+        "call" needs the `forced_tool`. tools=False: the request offered none, so every call is
+        reported as an error."""
+        return ReplyParser(self, opened=opened or ("think" if thinking else "response"), tools=tools,
+                           forced_tool=forced_tool)
+
+    def parser_for(self, rendered: Rendered) -> ReplyParser:
+        """The parser for the reply to this rendered prompt."""
+        if rendered.opened is None:
+            raise ValueError("the prompt was rendered without a generation prompt")
+        return self.parser(tools=rendered.tools_offered, opened=rendered.opened, forced_tool=rendered.forced_tool)
+
+
+_HEADER = re.compile(r'\s*([A-Za-z_][\w.-]*)((?:\s+[A-Za-z_][\w.-]*="[^"]*")*)\s*', re.DOTALL)
+_ATTR = re.compile(r'([A-Za-z_][\w.-]*)="([^"]*)"')
+_CHILDREN = {"message": ("think", "response", "tools"), "tools": ("call",), "call": ("argument", "json")}
+_KNOWN = ("think", "response", "tools", "call", "argument", "json")
+_TEXT_KIND = {"think": "reasoning", "response": "content"}
+
+
+def _parse_header(text: str) -> tuple[str, dict[str, str] | None]:
+    """(tag name, attributes), attributes None when the tag is malformed (or repeats one)."""
+    m = _HEADER.fullmatch(text)
+    if m is None:
+        words = text.split(maxsplit=1)
+        return (words[0] if words else ""), None
+    attrs: dict[str, str] = {}
+    for key, value in _ATTR.findall(m.group(2)):
+        if key in attrs:
+            return m.group(1), None
+        attrs[key] = unescape_attr(value)
+    return m.group(1), attrs
+
+
+def _reject_constant(name: str):
+    raise ValueError(name)  # NaN and Infinity are Python's, not JSON's
+
+
+def _typed_value(raw: bytes, kind: str):
+    """An argument's value from its text and declared type; ValueError says why it does not fit."""
+    text = raw.decode("utf-8")  # UnicodeDecodeError is a ValueError
+    if kind == "string":
+        return text
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except ValueError:
+        raise ValueError(f"not a JSON {kind}") from None
+    ok = {"number": isinstance(value, (int, float)) and not isinstance(value, bool)
+          and (not isinstance(value, float) or math.isfinite(value)),
+          "boolean": isinstance(value, bool), "null": value is None,
+          "object": isinstance(value, dict), "array": isinstance(value, list)}[kind]
+    if not ok:
+        raise ValueError(f"not a JSON {kind}")
+    return value
+
+
+class _Frame:
+    """An open element of the reply. A call frame holds the call being read; an argument or json
+    frame collects its value's bytes."""
+    __slots__ = ("args", "data", "error", "json", "key", "kind", "name", "pos", "tag")
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.error: str | None = None
+        self.data = bytearray()
+        self.args: dict = {}
+        self.json = None
+        self.name = self.key = self.kind = None
+        self.pos = 0
+
+
+class ReplyParser:
+    """Incremental parser of one assistant reply, over token ids. Feed it ids as they come; it
+    returns the events each piece completes. See the module docstring for the events."""
+
+    def __init__(self, xtml: XTML, *, opened: str = "think", tools: bool = True, forced_tool: str | None = None):
+        if opened not in ("think", "response", "tools", "call"):
+            raise ValueError(f"opened must be think, response, tools or call, got {opened!r}")
+        if opened == "call" and not forced_tool:
+            raise ValueError("a reply that starts inside a call needs its forced_tool")
+        self._open, self._sep, self._close = xtml.open, xtml.sep, xtml.close
+        self._stops = set(xtml.stop_ids)
+        self._bytes = xtml.token_bytes
+        self._tools = tools
+        self._reply = Reply()
+        self._text_parts: dict[str, list[str]] = {"content": [], "reasoning": []}
+        self._events: list = []
+        self._stack = [_Frame("message")]
+        self._mode = "body"  # body | open | close (reading a tag header) | done
+        self._header = bytearray()
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._loose: list[str] = []  # text outside any channel, judged at the next marker
+        self._calls = 0  # call elements seen
+        if opened in ("think", "response"):
+            self._stack.append(_Frame(opened))
+        else:
+            self._stack.append(_Frame("tools"))
+            if opened == "call":
+                self._start_call({"tool": forced_tool, "index": "1"})
+
+    # ---- input
+
+    def feed(self, ids: Sequence[int]) -> list:
+        for i in ids:
+            if self._mode == "done":
+                break  # a reply ends at its stop token
+            self._step(int(i))
+        return self._take()
+
+    def finish(self) -> list:
+        """The reply ended: at a stop token (already handled), or cut short (max tokens)."""
+        if self._mode != "done":
+            self._end(stopped=False)
+        return self._take()
+
+    def _step(self, i: int) -> None:
+        if i == self._sep and self._mode in ("open", "close"):
+            header = bytes(self._header).decode("utf-8", "replace")
+            mode, self._mode = self._mode, "body"
+            if mode == "open":
+                self._open_tag(header)
+            else:
+                self._close_tag(header)
+        elif i in (self._open, self._close, self._sep):
+            self._marker()
+            if i != self._sep:  # a lone sep is noise
+                self._mode = "open" if i == self._open else "close"
+                self._header.clear()
+        elif i in self._stops:
+            self._end(stopped=True)
+        elif self._mode in ("open", "close"):
+            self._header += self._bytes[i] if i < len(self._bytes) else b""
+        else:
+            self._text(self._bytes[i] if i < len(self._bytes) else b"")
+
+    def _text(self, data: bytes) -> None:
+        if not self._stack:
+            return  # after the message closed
+        top = self._stack[-1]
+        if top.tag in ("think", "response", "message"):
+            text = self._decoder.decode(data)
+            if text:
+                self._route(top, text)
+        elif top.tag in ("tools", "call", "argument", "json"):
+            top.data += data
+
+    def _route(self, top: _Frame, text: str) -> None:
+        if top.tag == "message":
+            self._loose.append(text)
+        else:
+            self._emit(_TEXT_KIND[top.tag], text)
+
+    def _marker(self) -> None:
+        """A marker ends the text run before it (and interrupts an unfinished tag)."""
+        if self._mode in ("open", "close"):
+            self._abandon_header()
+        tail = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        if self._stack:
+            top = self._stack[-1]
+            if tail and top.tag in ("think", "response", "message"):
+                self._route(top, tail)
+            if top.tag in ("tools", "call") and top.data:
+                if bytes(top.data).strip():
+                    self._error(top, "text between its elements")
+                top.data.clear()
+        if self._loose:
+            loose, self._loose = "".join(self._loose), []
+            if loose.strip():  # a reply that skipped `<|open|>response<|sep|>`: keep its text as content
+                self._emit("content", loose)
+
+    def _end(self, stopped: bool) -> None:
+        self._marker()
+        while self._stack:
+            self._pop(truncated=True)
+        self._reply.complete = self._reply.complete or stopped
+        self._mode = "done"
+
+    # ---- structure
+
+    def _open_tag(self, header: str) -> None:
+        name, attrs = _parse_header(header)
+        if not self._stack:
+            return  # after the message closed
+        if name == "call" and not any(f.tag in ("tools", "call", "argument", "json") for f in self._stack):
+            self._pop_to(0)
+            self._stack.append(_Frame("tools"))  # a call must be inside tools: open it
+        at = next((j for j in range(len(self._stack) - 1, -1, -1)
+                   if name in _CHILDREN.get(self._stack[j].tag, ())), None)
+        if name not in _KNOWN or at is None:
+            self._stack.append(_Frame("?" + name))  # swallowed up to its close
+            if any(f.tag == "call" for f in self._stack):
+                self._error(next(f for f in reversed(self._stack) if f.tag == "call"), f"unexpected <{name}> element")
+            else:
+                self._reply.errors.append(f"unexpected <{name}> element")
+            return
+        self._pop_to(at)
+        if name == "call":
+            self._start_call(attrs)
+        elif name in ("argument", "json"):
+            self._start_value(name, attrs)
+        else:
+            self._stack.append(_Frame(name))
+
+    def _close_tag(self, header: str) -> None:
+        name = header.strip()
+        if name == "message":
+            while self._stack:
+                self._pop(truncated=False)
+            self._reply.complete = True
+            return
+        at = next((j for j in range(len(self._stack) - 1, 0, -1) if self._stack[j].tag in (name, "?" + name)), None)
+        if at is not None:
+            self._pop_to(at - 1)  # a close tag closes what is still open inside it
+
+    def _abandon_header(self) -> None:
+        """A tag cut off by another marker or the reply's end."""
+        name, attrs = _parse_header(bytes(self._header).decode("utf-8", "replace"))
+        if self._mode == "open" and name == "call" and self._stack:
+            frame = _Frame("call")
+            frame.pos, self._calls = self._calls, self._calls + 1
+            frame.name = (attrs or {}).get("tool")
+            frame.error = "the call tag is unfinished"
+            self._emit_call(frame)
+        else:
+            self._reply.errors.append(f"unfinished <{'/' if self._mode == 'close' else ''}{name}> tag")
+        self._mode = "body"
+        self._header.clear()
+
+    def _pop_to(self, depth: int) -> None:
+        while len(self._stack) > depth + 1:
+            self._pop(truncated=False)
+
+    def _pop(self, truncated: bool) -> None:
+        frame = self._stack.pop()
+        if frame.tag in ("argument", "json"):
+            call = self._stack[-1]
+            if truncated or call.error is not None:
+                return
+            try:
+                if frame.tag == "json":
+                    value = _typed_value(bytes(frame.data), "object")
+                    if call.args:
+                        raise ValueError("mixes a json block with typed arguments")
+                    call.json = value
+                else:
+                    call.args[frame.key] = _typed_value(bytes(frame.data), frame.kind)
+            except ValueError as e:
+                what = "json block" if frame.tag == "json" else f"argument {frame.key!r}"
+                self._error(call, f"{what}: {e}".splitlines()[0])
+        elif frame.tag == "call":
+            if truncated and frame.error is None:
+                frame.error = "the reply ended inside the call"
+            self._emit_call(frame)
+
+    def _start_call(self, attrs: dict[str, str] | None) -> None:
+        frame = _Frame("call")
+        frame.pos, self._calls = self._calls, self._calls + 1
+        self._stack.append(frame)
+        if attrs is None:
+            return self._error(frame, "malformed call tag")
+        frame.name = attrs.get("tool")
+        if set(attrs) != {"tool", "index"}:
+            return self._error(frame, f"call attributes must be tool and index, got {sorted(attrs)}")
+        if not frame.name:
+            return self._error(frame, "empty tool name")
+        if attrs["index"] != str(frame.pos + 1):
+            return self._error(frame, f"index {attrs['index']!r}, expected {frame.pos + 1}")
+        if not self._tools:
+            return self._error(frame, "the request offered no tools")
+
+    def _start_value(self, tag: str, attrs: dict[str, str] | None) -> None:
+        call = self._stack[-1]
+        frame = _Frame(tag)
+        self._stack.append(frame)
+        if tag == "json":
+            if attrs != {"type": "object"}:
+                self._error(call, 'json block attributes must be type="object"')
+            elif call.json is not None:
+                self._error(call, "two json blocks")
+            elif call.args:
+                self._error(call, "mixes a json block with typed arguments")
+            return
+        if attrs is None or set(attrs) != {"key", "type"}:
+            return self._error(call, "argument attributes must be key and type")
+        frame.key, frame.kind = attrs["key"], attrs["type"]
+        if frame.kind not in ARGUMENT_TYPES:
+            return self._error(call, f"argument {frame.key!r}: unknown type {frame.kind!r}")
+        if frame.key in call.args or call.json is not None:
+            return self._error(call, f"argument {frame.key!r} given twice" if frame.key in call.args
+                               else "mixes a json block with typed arguments")
+
+    def _error(self, frame: _Frame, message: str) -> None:
+        if frame.tag == "call":
+            frame.error = frame.error or message
+        else:
+            self._reply.errors.append(f"<{frame.tag}>: {message}")
+
+    # ---- output
+
+    @property
+    def reply(self) -> Reply:
+        """The reply so far (its text is joined here, not per token: a long reply stays linear)."""
+        for kind, parts in self._text_parts.items():
+            if len(parts) > 1:
+                parts[:] = ["".join(parts)]
+            setattr(self._reply, kind, parts[0] if parts else "")
+        return self._reply
+
+    def _emit(self, kind: str, text: str) -> None:
+        self._text_parts[kind].append(text)
+        self._events.append((kind, text))
+
+    def _emit_call(self, frame: _Frame) -> None:
+        if frame.error is not None:
+            message = f"call {frame.pos + 1} ({frame.name or '?'}): {frame.error}"
+            self._reply.errors.append(message)
+            self._events.append(("tool_call_error", frame.pos, message))
+            return
+        # deterministic ids (Kimi's `functions.NAME:N` convention): the same reply, streamed or not, gives the same ids
+        call = {"id": f"functions.{frame.name}:{frame.pos + 1}", "type": "function",
+                "function": {"name": frame.name, "arguments": _json_compact(frame.json if frame.json is not None
+                                                                             else frame.args)}}
+        self._events.append(("tool_call", len(self._reply.tool_calls), call))
+        self._reply.tool_calls.append(call)
+
+    def _take(self) -> list:
+        """This step's events, consecutive text of one kind joined."""
+        out: list = []
+        for e in self._events:
+            if out and len(e) == 2 and len(out[-1]) == 2 and out[-1][0] == e[0]:
+                out[-1] = (e[0], out[-1][1] + e[1])
+            else:
+                out.append(e)
+        self._events = []
+        return out

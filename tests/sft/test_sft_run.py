@@ -1,0 +1,137 @@
+"""`k3 sft` end to end on a very small model: training from a `k3 train` run, exact resume, the loss
+mask in the packed batches, bad data refused before anything is written, and the chat-tuned mark."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.sft.batches import example, pack_examples
+from k3.sft.cli import add_arguments, run
+from k3.sft.trainer import SFTSettings, SFTTrainer
+from k3.train.packing import IGNORE_INDEX
+from k3.train.trainer import Trainer
+from tests.helpers.train import losses, quiet, tiny_settings
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pre")
+    trainer = Trainer(tiny_settings(root, "run", steps=2, ckpt_every=2), progress=False, log=quiet)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return root / "run"
+
+
+def sft_settings(pretrained: Path, out: Path, **changes) -> SFTSettings:
+    base = SFTSettings(init=str(pretrained), out=str(out), train_size=24, val_size=6, steps=4, batch_size=4,
+                       seq_len=4096, eval_every=2, ckpt_every=2, agent_episodes=3, max_reply_tokens=6,
+                       cache_dir=str(out.parent / "cache"))
+    return dataclasses.replace(base, **changes)
+
+
+def sft(settings: SFTSettings, resume: bool = False) -> dict:
+    trainer = (SFTTrainer.from_run(settings.out, progress=False, log=quiet) if resume
+               else SFTTrainer(settings, progress=False, log=quiet))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def test_pack_examples_labels_only_assistant_tokens():
+    a = example([5, 6, 7, 8, 9], [False, False, True, True, True], line=1)
+    b = example([10, 11, 12], [False, True, False], line=2)
+    batch = pack_examples([a, b])
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 10, 11]]
+    assert batch.labels.tolist() == [[IGNORE_INDEX, 7, 8, 9, 11, IGNORE_INDEX]]
+    assert batch.cu_seqlens.tolist() == [0, 4, 6]  # each conversation its own segment
+    assert a.targets + b.targets == int((batch.labels != IGNORE_INDEX).sum())
+
+
+def test_sft_trains_resumes_exactly_and_marks_the_model_chat_tuned(pretrained, tmp_path):
+    straight = sft(sft_settings(pretrained, tmp_path / "a"))
+    assert straight["agent"]["episodes"] == 3
+    killed = SFTTrainer(sft_settings(pretrained, tmp_path / "b"), progress=False, log=quiet)
+    for _ in range(3):  # as if killed during step 3, after the step-2 checkpoint
+        killed._record([killed.train_step()])
+        if killed.step == 2:
+            killed._save()
+    killed.close()
+    sft(sft_settings(pretrained, tmp_path / "b"), resume=True)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")  # bit for bit
+    ckpt = Path(straight["checkpoint"])
+    assert json.loads((ckpt / "tokenizer_config.json").read_text()).get("chat_template")
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "Held-out agent episodes" in report and (tmp_path / "a" / "loss.png").is_file()
+    records = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in records} >= {"train", "eval", "agent"}
+    from k3.serve.loading import load_for_serving
+
+    assert load_for_serving(str(tmp_path / "a")).chat_tuned
+
+
+BAD = {
+    "no_role": {"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]},
+    "unknown_call_id": {"messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": None, "tool_calls": [
+                                         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                                     {"role": "tool", "tool_call_id": "c9", "content": "r"},
+                                     {"role": "assistant", "content": "a"}]},
+    "bad_json_arguments": {"messages": [{"role": "user", "content": "q"},
+                                        {"role": "assistant", "content": None, "tool_calls": [
+                                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+    "too_long": {"messages": [{"role": "user", "content": "word " * 3000}, {"role": "assistant", "content": "ok"}]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_sft_data_is_one_line_naming_the_line_and_writes_nothing(case, pretrained, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data.write_text("".join(json.dumps(c) + "\n" for c in [good, good, BAD[case], good]))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args(["--run", str(pretrained), "--data", str(data), "--out", str(out), "--seq-len", "2048",
+                              "--no-progress"])
+    assert run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("k3 sft: error: ") and "\n" not in err, err
+    assert f"{data}:3:" in err, err
+    assert not out.exists()
+
+
+def test_sft_refuses_a_tokenizer_without_the_chat_markers(pretrained, tmp_path):
+    from k3.train.errors import TrainError
+
+    ckpt = sorted((pretrained / "checkpoints").iterdir())[-1]
+    broken = tmp_path / "ckpt"
+    broken.mkdir()
+    for f in ckpt.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    text = (broken / "tokenizer.json").read_text()  # as if trained before K3's fourth marker existed
+    (broken / "tokenizer.json").write_text(text.replace("<|end_of_msg|>", "<|something_else|>"))
+    with pytest.raises(TrainError, match="end_of_msg"):
+        SFTTrainer(sft_settings(broken, tmp_path / "out"), progress=False, log=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+def test_sft_loss_is_on_assistant_tokens_only(pretrained, tmp_path):
+    trainer = SFTTrainer(sft_settings(pretrained, tmp_path / "m", steps=1), progress=False, log=quiet)
+    try:
+        ex = trainer.train_examples[0]
+        ids = ex.ids.tolist()
+        text = trainer.tokenizer.decode([t for t, m in zip(ids, ex.mask) if m], skip_special_tokens=False)
+        assert "role=\"user\"" not in text and "<|end_of_msg|>" in text
+        batch = pack_examples([ex])
+        assert torch.equal(batch.labels[0] != IGNORE_INDEX, torch.from_numpy(ex.mask[1:]))
+    finally:
+        trainer.close()
