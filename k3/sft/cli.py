@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
-from k3.checkpoint.training_state import CheckpointSaveError, ResumeStateError
+from k3.checkpoint.training_state import ResumeStateError
 from k3.sft.dataset import SFTDataError
 from k3.sft.trainer import SFTSettings, SFTTrainer
-from k3.train.cli import interrupt_advice
+from k3.train.cli import train_verb
 from k3.train.trainer import BALANCE_RULES, TrainError
 
 _DEFAULTS = SFTSettings()
@@ -65,30 +64,10 @@ def _settings(args) -> SFTSettings:
 
 
 def run(args) -> int:
-    try:
-        if args.resume:
-            given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
-                     if v not in (None, False) and k not in ("resume", "no_progress")]
-            if given:
-                raise TrainError(f"--resume continues a run with its saved settings; drop {' '.join(given)}")
-            trainer = SFTTrainer.from_run(args.resume, progress=not args.no_progress)
-        else:
-            trainer = SFTTrainer(_settings(args), progress=not args.no_progress)
-    except (TrainError, SFTDataError, ResumeStateError) as e:
-        print(f"k3 sft: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        result = trainer.train()
-    except KeyboardInterrupt:
-        if trainer.world.is_main:
-            print(f"\n{interrupt_advice(trainer.run_dir, trainer.s.ckpt_every).replace('k3 train', 'k3 sft')}",
-                  file=sys.stderr)
-        return 130
-    except CheckpointSaveError as e:
-        print(f"k3 sft: error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.close()
+    done = train_verb("sft", args, SFTTrainer, _settings, (TrainError, SFTDataError, ResumeStateError))
+    if isinstance(done, int):
+        return done
+    trainer, result = done
     if trainer.world.is_main:
         run_dir = result["run_dir"]
         lines = [f"\nSFT run saved to {run_dir}",

@@ -30,7 +30,6 @@ from k3.sft.batches import example, pack_examples, rows_of
 from k3.sft.dataset import SFTDataError, check_length, read_conversations
 from k3.text.tokenizer import load_tokenizer, save_tokenizer
 from k3.text.xtml import XTML
-from k3.train.balance import balance_step, expert_loads
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
 from k3.train.packing import IGNORE_INDEX, windows_for_step
@@ -157,36 +156,16 @@ class SFTTrainer(Trainer):
         self.held_conversations = [c for c in held if c.expected is not None][:s.agent_episodes]
 
     # ------------------------------------------------------------------ one step
-    def train_step(self) -> dict:
-        s, world = self.s, self.world
-        chosen = windows_for_step(len(self.train_examples), s.seed, self.step, s.batch_size)
-        targets = sum(self.train_examples[i].targets for i in chosen)
-        per_rank = s.batch_size // world.size
-        mine = chosen[world.rank * per_rank:(world.rank + 1) * per_rank]
-        micro = per_rank // s.grad_accum
-        self.model.train()
-        nll = torch.zeros((), device=world.device)
-        step_tokens = 0
-        for j in range(s.grad_accum):
-            batch = pack_examples([self.train_examples[i] for i in mine[j * micro:(j + 1) * micro]]).to(world.device)
-            step_tokens += batch.input_ids.shape[1]
-            loss_sum = self._loss_sum(batch)
-            (loss_sum * (world.size / targets)).backward()
-            nll += loss_sum.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loads = expert_loads(self.model)
-        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
-        self.step += 1
-        self.tokens_seen += int(all_reduce_sum(torch.tensor(float(step_tokens), device=world.device), world))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        max_load = max((float(v.max()) / max(float(v.float().mean()), 1e-9) for v in loads.values()), default=0.0)
-        return {"kind": "train", "step": self.step, "loss": float(all_reduce_sum(nll, world)) / targets, "lr": lr,
-                "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3),
-                "step_tokens": step_tokens * world.size}
+    def step_items(self) -> tuple[list[int], int]:
+        chosen = windows_for_step(len(self.train_examples), self.s.seed, self.step, self.s.batch_size)
+        return chosen, sum(self.train_examples[i].targets for i in chosen)
+
+    def pack_items(self, items: list[int]):
+        return pack_examples([self.train_examples[i] for i in items])
+
+    def global_tokens(self, local: int) -> int:
+        """Conversations differ in length, so ranks count theirs and add them up."""
+        return int(all_reduce_sum(torch.tensor(float(local), device=self.world.device), self.world))
 
     # ------------------------------------------------------------------ eval and samples
     @torch.no_grad()

@@ -72,7 +72,7 @@ def _settings(args) -> TrainSettings:
     return dataclasses.replace(_DEFAULTS, **changes, overrides=overrides)
 
 
-def interrupt_advice(run_dir, ckpt_every: int) -> str:
+def interrupt_advice(run_dir, ckpt_every: int, verb: str = "train") -> str:
     """What an interrupted run can do next. A Ctrl-C can land inside an optimizer step, so the
     state at that moment is not saved: resume continues from the latest complete checkpoint."""
     found = latest_checkpoint(Path(run_dir) / "checkpoints")
@@ -80,33 +80,42 @@ def interrupt_advice(run_dir, ckpt_every: int) -> str:
         return (f"interrupted before the first checkpoint (one every {ckpt_every} steps): nothing to resume; "
                 f"start the run again ({run_dir} can be deleted)")
     step = int(found.name.removeprefix("step_"))
-    return f"interrupted; continue from step {step} with: k3 train --resume {run_dir}"
+    return f"interrupted; continue from step {step} with: k3 {verb} --resume {run_dir}"
 
 
-def run(args) -> int:
+def train_verb(verb: str, args, trainer_class, settings, errors: tuple) -> tuple | int:
+    """The life of a training verb: build or resume the trainer, train, close. Returns (trainer,
+    result), or the exit code: 2 for the `errors` (one line), 130 on Ctrl-C, 1 when a save fails."""
     try:
         if args.resume:
             given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
                      if v not in (None, False) and k not in ("resume", "no_progress")]
             if given:
                 raise TrainError(f"--resume continues a run with its saved settings; drop {' '.join(given)}")
-            trainer = Trainer.from_run(args.resume, progress=not args.no_progress)
+            trainer = trainer_class.from_run(args.resume, progress=not args.no_progress)
         else:
-            trainer = Trainer(_settings(args), progress=not args.no_progress)
-    except (TrainError, DataError, ConfigError, ResumeStateError) as e:
-        print(f"k3 train: error: {e}", file=sys.stderr)
+            trainer = trainer_class(settings(args), progress=not args.no_progress)
+    except errors as e:
+        print(f"k3 {verb}: error: {e}", file=sys.stderr)
         return 2
     try:
-        result = trainer.train()
+        return trainer, trainer.train()
     except KeyboardInterrupt:
         if trainer.world.is_main:
-            print(f"\n{interrupt_advice(trainer.run_dir, trainer.s.ckpt_every)}", file=sys.stderr)
+            print(f"\n{interrupt_advice(trainer.run_dir, trainer.s.ckpt_every, verb)}", file=sys.stderr)
         return 130
     except CheckpointSaveError as e:
-        print(f"k3 train: error: {e}", file=sys.stderr)
+        print(f"k3 {verb}: error: {e}", file=sys.stderr)
         return 1
     finally:
         trainer.close()
+
+
+def run(args) -> int:
+    done = train_verb("train", args, Trainer, _settings, (TrainError, DataError, ConfigError, ResumeStateError))
+    if isinstance(done, int):
+        return done
+    trainer, result = done
     if trainer.world.is_main:
         run_dir = result["run_dir"]
         print(f"\nrun saved to {run_dir}\n"

@@ -310,17 +310,32 @@ class Trainer:
             logits = self.model(batch.input_ids, cu_seqlens=batch.cu_seqlens)
         return F.cross_entropy(logits[0].float(), batch.labels[0], ignore_index=IGNORE_INDEX, reduction="sum")
 
+    def step_items(self) -> tuple[list[int], int]:
+        """The global batch of this step (item ids, ranks' shares in rank order) and its target count."""
+        s = self.s
+        windows = windows_for_step(self.num_windows, s.seed, self.step, s.batch_size)
+        return windows, sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows)
+
+    def pack_items(self, items: list[int]):
+        """One micro-batch: the items packed into one row with cu_seqlens."""
+        return pack(self.train_data, items, self.s.seq_len)
+
+    def global_tokens(self, local: int) -> int:
+        """Tokens the step consumed over all ranks (windows: always the global batch's)."""
+        return self.s.batch_size * self.s.seq_len
+
     def train_step(self) -> dict:
         s, world = self.s, self.world
-        windows = windows_for_step(self.num_windows, s.seed, self.step, s.batch_size)
-        targets = sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows)
+        items, targets = self.step_items()
         per_rank = s.batch_size // world.size
-        mine = windows[world.rank * per_rank:(world.rank + 1) * per_rank]
+        mine = items[world.rank * per_rank:(world.rank + 1) * per_rank]
         micro = per_rank // s.grad_accum
         self.model.train()
         nll = torch.zeros((), device=world.device)
+        local_tokens = 0
         for j in range(s.grad_accum):
-            batch = pack(self.train_data, mine[j * micro:(j + 1) * micro], s.seq_len).to(world.device)
+            batch = self.pack_items(mine[j * micro:(j + 1) * micro]).to(world.device)
+            local_tokens += batch.input_ids.shape[1]
             loss_sum = self._loss_sum(batch)
             (loss_sum * (world.size / targets)).backward()
             nll += loss_sum.detach()
@@ -332,11 +347,13 @@ class Trainer:
         loads = expert_loads(self.model)
         balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
         self.step += 1
-        self.tokens_seen += s.batch_size * s.seq_len
+        step_tokens = self.global_tokens(local_tokens)
+        self.tokens_seen += step_tokens
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
         return {"kind": "train", "step": self.step, "loss": float(all_reduce_sum(nll, world)) / targets, "lr": lr,
-                "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3)}
+                "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3),
+                "step_tokens": step_tokens}
 
     # ------------------------------------------------------------------ eval and samples
     @torch.no_grad()
@@ -397,7 +414,7 @@ class Trainer:
                 record = self.train_step()
                 dt = time.perf_counter() - t0
                 self.elapsed += dt
-                step_tokens = record.pop("step_tokens", s.batch_size * s.seq_len)
+                step_tokens = record.pop("step_tokens")
                 record.update(tok_per_s=round(step_tokens / dt), elapsed=round(self.elapsed, 2))
                 self._record([record])
                 if bar is not None:
