@@ -76,4 +76,10 @@ def run_episodes(model, chat: XTML, conversations, max_tokens: int = 160) -> tup
         scores.append(s)
         records.append({"line": conv.line, **s, "reply": chat.tokenizer.decode(first_ids[i], skip_special_tokens=False),
                         "final": chat.tokenizer.decode(final_ids[i], skip_special_tokens=False) if i in final else None})
-    return summarize(scores), records
+    summary = summarize(scores)
+    # the bars read over the prompts that need a tool: right tool with valid arguments, answer after it
+    tool = [sc for sc, conv in zip(scores, conversations) if conv.expected.get("tool") is not None]
+    if tool:
+        summary["tool_prompts_tool_ok"] = sum(sc["tool_ok"] for sc in tool) / len(tool)
+        summary["tool_prompts_answer_correct"] = sum(sc["answer_correct"] for sc in tool) / len(tool)
+    return summary, records
