@@ -47,9 +47,9 @@ class SFTSettings:
     val_data: str | None = None  # held-out JSONL; None: the default set's held-out split, or val_fraction of `data`
     val_fraction: float = 0.05
     out: str | None = None  # run folder; None: runs/sft-<init>-<timestamp>
-    train_size: int = 480  # conversations drawn from the default set (train split): one epoch by default
-    val_size: int = 100  # held-out conversations of the default set (loss and agent episodes)
-    steps: int = 60  # with k3 train's default run, the two fit in 15 minutes on 2 CPU cores
+    train_size: int = 320  # conversations drawn from the default set (train split): one epoch by default
+    val_size: int = 64  # held-out conversations of the default set (loss and agent episodes)
+    steps: int = 40  # with k3 train's default run, the two fit in 15 minutes on 2 CPU cores
     batch_size: int = 8  # conversations per optimizer step, over all ranks and micro-batches
     seq_len: int = 1024  # the longest conversation, in tokens; a longer one is an error naming its line
     grad_accum: int = 1
@@ -60,10 +60,10 @@ class SFTSettings:
     balance: str = "quantile"
     qat: bool = False
     compile: bool = False
-    eval_every: int = 60
-    agent_episodes: int = 100  # held-out episodes scored at the end (0: none)
+    eval_every: int = 40
+    agent_episodes: int = 64  # held-out episodes scored at the end (0: none)
     max_reply_tokens: int = 160
-    ckpt_every: int = 30
+    ckpt_every: int = 20
     keep: int = 2
     keep_all_state: bool = False
     seed: int = 0
