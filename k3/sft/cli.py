@@ -12,8 +12,8 @@ import dataclasses
 from k3.checkpoint.training_state import ResumeStateError
 from k3.sft.dataset import SFTDataError
 from k3.sft.trainer import SFTSettings, SFTTrainer
-from k3.train.cli import train_verb
-from k3.train.trainer import BALANCE_RULES, TrainError
+from k3.train.cli import add_optimizer_arguments, add_run_arguments, train_verb
+from k3.train.trainer import TrainError
 
 _DEFAULTS = SFTSettings()
 
@@ -34,24 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--batch-size", type=int, help=f"conversations per optimizer step, all ranks (default {d.batch_size})")
     p.add_argument("--seq-len", type=int, help=f"the longest conversation in tokens; longer is an error (default {d.seq_len})")
-    p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW (default {d.lr})")
-    p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
-    p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
-    p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
-    p.add_argument("--qat", action="store_true", default=None,
-                   help="MXFP4/MXFP8 quantization-aware training of the routed experts (seeds §6.3)")
-    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model's regions (CUDA runs)")
+    add_optimizer_arguments(p, d)
     p.add_argument("--eval-every", type=int, help=f"steps between held-out evals (default {d.eval_every})")
     p.add_argument("--agent-episodes", type=int, help=f"held-out agent episodes scored at the end (default {d.agent_episodes})")
     p.add_argument("--max-reply-tokens", type=int, help=f"tokens per generated reply (default {d.max_reply_tokens})")
-    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
-    p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep})")
-    p.add_argument("--keep-all-state", action="store_true", default=None,
-                   help="optimizer/RNG state in every kept checkpoint, not only the latest")
-    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
-    p.add_argument("--device", help=f"cpu, cuda or cuda:N (default {d.device})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(p, d)
 
 
 def _settings(args) -> SFTSettings:

@@ -34,7 +34,7 @@ from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
 from k3.train.packing import IGNORE_INDEX, windows_for_step
 from k3.train.parallel import all_reduce_sum
-from k3.train.trainer import BALANCE_RULES, EVAL_ROW_TOKENS, Trainer
+from k3.train.trainer import EVAL_ROW_TOKENS, Trainer, validate_common
 
 AGENT_FILE = "agent_eval.jsonl"
 
@@ -77,15 +77,7 @@ def _validate(s: SFTSettings, world_size: int, max_positions: int) -> None:
             raise TrainError(msg)
 
     need(bool(s.init), "an initial checkpoint is required: --run RUN_DIR or --model CHECKPOINT_DIR")
-    need(s.steps >= 1, f"steps must be >= 1, got {s.steps}")
-    need(s.batch_size >= 1 and s.grad_accum >= 1, "batch size and grad accumulation must be >= 1")
-    need(s.batch_size % (world_size * s.grad_accum) == 0,
-         f"batch size {s.batch_size} must be divisible by world size {world_size} x grad accumulation {s.grad_accum}")
-    need(2 <= s.seq_len <= max_positions,
-         f"--seq-len {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
-    need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
-    need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
-    need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
+    validate_common(s, world_size, max_positions)
     need(s.train_size >= 1 and s.val_size >= 1, "train and val sizes must be >= 1")
     need(0 < s.val_fraction < 1, f"val fraction must be in (0, 1), got {s.val_fraction}")
     need(s.agent_episodes >= 0 and s.max_reply_tokens >= 1, "agent episodes must be >= 0, max reply tokens >= 1")

@@ -20,6 +20,33 @@ from k3.train.trainer import BALANCE_RULES, Trainer, TrainError, TrainSettings
 _DEFAULTS = TrainSettings()
 
 
+def add_optimizer_arguments(p: argparse.ArgumentParser, d) -> None:
+    """The step's flags shared by every training verb; `d` holds the verb's defaults."""
+    p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW (default {d.lr})")
+    p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
+    p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
+    p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each layer's norms, mixer and FFN and the AttnRes reads (worth it on CUDA; "
+                        "minutes of compiling first)")
+    p.add_argument("--qat", action="store_true", default=None,
+                   help="quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, d) -> None:
+    """Checkpoints, seed, device and console, shared by every training verb."""
+    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
+    p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep}); only the latest keeps the "
+                                          "optimizer state --resume needs, older ones the model and tokenizer")
+    p.add_argument("--keep-all-state", action="store_true", default=None,
+                   help="keep the optimizer/RNG state in every kept checkpoint, not only the latest")
+    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
+    p.add_argument("--device", help=f"where to train: cpu, cuda or cuda:N (default {d.device}; under torchrun "
+                                    "each rank takes its own GPU)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     p.add_argument("--config", "--preset", dest="config", help=f"preset name or config.json path (default {d.config})")
@@ -32,29 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--batch-size", type=int, help=f"sequences per optimizer step, all ranks together (default {d.batch_size})")
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
-    p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW (default {d.lr})")
-    p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
-    p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
-    p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile each layer's norms, mixer and FFN and the AttnRes reads (worth it on CUDA; "
-                        "minutes of compiling first)")
-    p.add_argument("--qat", action="store_true", default=None,
-                   help="quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")
+    add_optimizer_arguments(p, d)
     p.add_argument("--eval-every", type=int, help=f"steps between evals and samples (default {d.eval_every})")
     p.add_argument("--eval-windows", type=int, help="validation windows per eval, the same ones every time "
                                                      "(default: all of the validation split, up to 262,144 tokens)")
-    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
-    p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep}); only the latest keeps the "
-                                          "optimizer state --resume needs, older ones the model and tokenizer")
-    p.add_argument("--keep-all-state", action="store_true", default=None,
-                   help="keep the optimizer/RNG state in every kept checkpoint, not only the latest")
-    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
-    p.add_argument("--device", help=f"where to train: cpu, cuda or cuda:N (default {d.device}; under torchrun "
-                                    "each rank takes its own GPU)")
+    add_run_arguments(p, d)
     p.add_argument("--cache-dir", help="tokenizer/token cache (default $K3_CACHE_DIR or ~/.cache/k3)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _settings(args) -> TrainSettings:

@@ -102,24 +102,30 @@ def _check_writable(path: Path) -> None:
         raise TrainError(f"output dir {path} is not writable: no write permission on {probe}")
 
 
-def _validate(s: TrainSettings, world: World, max_positions: int, vocab_size: int) -> None:
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise TrainError(msg)
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise TrainError(msg)
 
-    need(s.steps >= 1, f"steps must be >= 1, got {s.steps}")
-    need(s.batch_size >= 1 and s.grad_accum >= 1, "batch size and grad accumulation must be >= 1")
-    need(s.batch_size % (world.size * s.grad_accum) == 0,
-         f"batch size {s.batch_size} must be divisible by world size {world.size} x grad accumulation {s.grad_accum}")
-    need(2 <= s.seq_len <= max_positions,
-         f"sequence length {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
-    need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
-    need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
-    need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
-    need(s.eval_windows is None or s.eval_windows >= 1, f"eval windows must be >= 1, got {s.eval_windows}")
-    need(isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size >= MIN_VOCAB_SIZE,
-         f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (the byte-level BPE's special + 256 byte tokens), "
-         f"got {vocab_size!r}")
+
+def validate_common(s, world_size: int, max_positions: int) -> None:
+    """The checks every training verb's settings share (steps, batch, length, optimizer, outputs)."""
+    _need(s.steps >= 1, f"steps must be >= 1, got {s.steps}")
+    _need(s.batch_size >= 1 and s.grad_accum >= 1, "batch size and grad accumulation must be >= 1")
+    _need(s.batch_size % (world_size * s.grad_accum) == 0,
+          f"batch size {s.batch_size} must be divisible by world size {world_size} x grad accumulation {s.grad_accum}")
+    _need(2 <= s.seq_len <= max_positions,
+          f"sequence length {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
+    _need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
+    _need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
+    _need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
+
+
+def _validate(s: TrainSettings, world: World, max_positions: int, vocab_size: int) -> None:
+    validate_common(s, world.size, max_positions)
+    _need(s.eval_windows is None or s.eval_windows >= 1, f"eval windows must be >= 1, got {s.eval_windows}")
+    _need(isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size >= MIN_VOCAB_SIZE,
+          f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (the byte-level BPE's special + 256 byte tokens), "
+          f"got {vocab_size!r}")
 
 
 class Trainer:
