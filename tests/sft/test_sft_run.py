@@ -112,7 +112,7 @@ def test_bad_sft_data_is_one_line_naming_the_line_and_writes_nothing(case, pretr
 def test_sft_refuses_a_tokenizer_without_the_chat_markers(pretrained, tmp_path):
     from k3.train.errors import TrainError
 
-    ckpt = sorted((pretrained / "checkpoints").iterdir())[-1]
+    ckpt = max((pretrained / "checkpoints").iterdir())
     broken = tmp_path / "ckpt"
     broken.mkdir()
     for f in ckpt.iterdir():
