@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint.official import CheckpointError, load_pretrained
+from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
+from k3.config import K3Config
+from k3.model.transformer import K3ForCausalLM
 from k3.sft import default_set
 from k3.sft.agent_eval import run_episodes
 from k3.sft.batches import example, pack_examples, rows_of
@@ -95,12 +97,15 @@ class SFTTrainer(Trainer):
         self._prepare_run_dir(settings, resume)
         own = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
         try:
-            source = own or resolve_checkpoint(settings.init)
-            model = load_pretrained(source)
+            if own is not None:  # resume: _setup_model loads the run's own checkpoint into it, once
+                source = own
+                model = K3ForCausalLM(K3Config.from_dict(read_json(own / "config.json")))
+            else:
+                source = resolve_checkpoint(settings.init)
+                model = load_pretrained(source)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             raise TrainError(f"cannot load the initial checkpoint: {e}") from None
         _validate(settings, self.world.size, model.config.max_position_embeddings)
-        self.source = source
         self.tokenizer = load_tokenizer(self.run_dir if resume else source)
         self._adopt_tokenizer(model.config)
         try:
@@ -116,11 +121,9 @@ class SFTTrainer(Trainer):
         for c in conversations:
             try:
                 r = self.chat.render(c.messages, tools=c.tools, add_generation_prompt=False)
-                check_length(c, len(r.token_ids), self.s.seq_len)
             except ValueError as e:
-                if isinstance(e, SFTDataError):
-                    raise
                 raise SFTDataError(f"{c.where}: {e}") from None
+            check_length(c, len(r.token_ids), self.s.seq_len)
             if not any(r.loss_mask[1:]):
                 raise SFTDataError(f"{c.where}: no assistant tokens to learn")
             out.append(example(r.token_ids, r.loss_mask, c.line))
@@ -217,7 +220,7 @@ class SFTTrainer(Trainer):
                      f"| episodes | {a['episodes']} (each: `{AGENT_FILE}`) |", ""]
         write_report(self.run_dir / REPORT_FILE, settings=dataclasses.asdict(s), params=self.params, records=records,
                      wall_time_s=self.elapsed, checkpoint=checkpoint, title="k3 SFT run",
-                     model=f"SFT of `{self.source}`",
+                     model=f"SFT of `{self.s.init}`",
                      data=s.data or f"embedded default SFT set ({s.train_size} train / {s.val_size} held-out)",
                      batch=f"{s.batch_size} conversations (of at most {s.seq_len} tokens)", extra=extra)
 
