@@ -17,11 +17,12 @@ at most N - 1) form the validation set.
 from __future__ import annotations
 
 import hashlib
-import json
 import lzma
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from k3.data.jsonl import jsonl_records
 
 BUNDLED = Path(__file__).parent / "shakespeare.jsonl.xz"
 SINGLE_DOC_PIECES = 100
@@ -47,24 +48,13 @@ def _read_jsonl(path: Path, opener=open, label: str | None = None, key_by_id: bo
     the split key is "label:line" (unique) unless `key_by_id` (the bundled corpus, unique ids)."""
     label = label or str(path)
     docs = []
-    lineno = 0
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{label}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise DataError(f"{label}:{lineno}: each JSONL line needs a string field 'text'")
-                where = f"{label}:{lineno}"
-                rid = record.get("id")
-                doc_id = where if rid is None else str(rid)
-                docs.append(Document(doc_id, record["text"], None if key_by_id else where))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{label}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
+    for lineno, record in jsonl_records(path, DataError, label, opener):
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DataError(f"{label}:{lineno}: each JSONL line needs a string field 'text'")
+        where = f"{label}:{lineno}"
+        rid = record.get("id")
+        doc_id = where if rid is None else str(rid)
+        docs.append(Document(doc_id, record["text"], None if key_by_id else where))
     return docs
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import jsonschema_rs
 
+from k3.data.jsonl import jsonl_records
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -168,21 +170,8 @@ def read_conversations(path: str | Path) -> list[Conversation]:
     convs = []
     line = 0
     try:
-        with open(path, "rb") as f:
-            for line, raw in enumerate(f, 1):
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise SFTDataError(f"{label}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-                if not text.strip():
-                    continue
-                try:
-                    record = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise SFTDataError(f"{label}:{line}: not valid JSON ({e.msg} at column {e.colno})") from None
-                except RecursionError:
-                    raise SFTDataError(f"{label}:{line}: JSON nested too deeply") from None
-                convs.append(parse_conversation(record, line, label))
+        for line, record in jsonl_records(path, SFTDataError, label):
+            convs.append(parse_conversation(record, line, label))
     except OSError as e:
         where = f"{label}:{line}" if line else label  # line 0: the file could not be opened
         raise SFTDataError(f"{where}: cannot read ({e.strerror or e})") from None
