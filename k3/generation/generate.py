@@ -27,6 +27,13 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float 
     """
     if temperature < GREEDY_BELOW:
         return logits.argmax(-1)
+    probs = sampling_probs(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """logits [N, V] -> the distribution `sample_next` draws from [N, V] (fp32; temperature > 0):
+    speculative decoding's rejection rule needs it whole, for the target and for the draft."""
     logits = logits.float()
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k > 0:
@@ -40,8 +47,7 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float 
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.softmax(logits, dim=-1)
 
 
 @torch.no_grad()

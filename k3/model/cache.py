@@ -29,9 +29,24 @@ MLA_CAPACITY_STEP = 256
 
 
 @dataclass
+class KDAInputs:
+    """A forward's per-token KDA inputs, kept on request (`KDAState.record`) so the state can be
+    rebuilt later for a prefix of the tokens from the state before them (speculative decoding's
+    rollback, SPEC §11): the pre-conv q|k|v projections [B, T, 3C] (for the conv tails), and
+    the op's k and v after the conv [B, T, H, K|V], raw gate projections [B, T, H, K] and beta
+    [B, T, H] (for the recurrence)."""
+    conv_inputs: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    g_raw: torch.Tensor | None = None
+    beta: torch.Tensor | None = None
+
+
+@dataclass
 class KDAState:
     conv: torch.Tensor  # [N, 3C, W-1], model dtype
     recurrent: torch.Tensor  # [N, H, K, V], fp32 always (SPEC §3: keep the state in fp32)
+    record: KDAInputs | None = None  # set: the next forward stores its per-token inputs here
 
     @classmethod
     def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32) -> "KDAState":

@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import KDAState
+from k3.model.cache import KDAInputs, KDAState
 from k3.model.norm import RMSNorm
 from k3.model.precision import KeepsFP32
 from k3.ops.conv import causal_conv1d
 from k3.ops.kda import DecayGate, kda
+from k3.ops.kda.replay import replay_tails
 from k3.ops.norm_gate import rms_norm_gated
 
 
@@ -115,6 +116,9 @@ class KimiDeltaAttention(KeepsFP32):
         (q, k, v), tails = self.short_convs(x, cu_seqlens, state)
         beta = torch.sigmoid(self.b_proj(x).float())
         g_raw, decay = self.forget_gate(x)
+        if state is not None and state.record is not None:  # kept for a replay (SPEC §11)
+            record = state.record
+            record.k, record.v, record.g_raw, record.beta = k, v, g_raw, beta
         # Under no_grad (decode) the state is updated in place: it keeps its address for CUDA-graph
         # replay; under autograd it is replaced, keeping the graph through it intact.
         in_place = state is not None and not torch.is_grad_enabled()
@@ -134,6 +138,19 @@ class KimiDeltaAttention(KeepsFP32):
                            impl=self._kernel_impl)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
+    def replay(self, inputs: KDAInputs, state: KDAState, cu_seqlens: torch.Tensor) -> KDAState:
+        """The state after the tokens of `inputs` (packed [1, T, ...] by cu_seqlens, N sequences),
+        advanced from `state` (before them) without running the layer again: the conv tails from
+        the kept conv inputs, the recurrence by the KDA op on the kept k, v, gate and beta
+        (`k3.ops.kda.replay`). Speculative decoding's rollback replays the accepted tokens."""
+        self._check_state(state, cu_seqlens.numel() - 1)
+        impl = "recurrent" if self.config.kda_impl in ("auto", "chunk") and not inputs.v.is_cuda else self.config.kda_impl
+        _, recurrent = kda(inputs.k, inputs.k, inputs.v, inputs.g_raw, inputs.beta, scale=self.head_dim ** -0.5,
+                           initial_state=state.recurrent, output_final_state=True, cu_seqlens=cu_seqlens,
+                           impl=impl, chunk_size=self.config.kda_chunk_size, normalize_qk=True,
+                           gate=DecayGate(self.A_log, self.dt_bias, self.config.gate_lower_bound))
+        return KDAState(replay_tails(state.conv, inputs.conv_inputs, cu_seqlens), recurrent)
+
     def short_convs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
                     state: KDAState | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """q, k, v [B, T, H, K] = SiLU(causal conv(proj x)), and the new conv tails [N, 3C, W-1]
@@ -147,14 +164,20 @@ class KimiDeltaAttention(KeepsFP32):
         projs, convs = (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         conv = partial(causal_conv1d, cu_seqlens=cu_seqlens, output_final_state=state is not None,
                        activation="silu", impl=self._kernel_impl)
+        record = None if state is None else state.record
         if state is not None and T == 1 and cu_seqlens is None:
             weight = torch.cat([c.weight for c in convs]).squeeze(1)
-            qkv, tails = conv(torch.cat([p(x) for p in projs], dim=-1), weight, initial_state=state.conv)
+            qkv_in = torch.cat([p(x) for p in projs], dim=-1)
+            if record is not None:
+                record.conv_inputs = qkv_in
+            qkv, tails = conv(qkv_in, weight, initial_state=state.conv)
             return qkv.unflatten(-1, (3, H, K)).unbind(dim=2), tails
         initial = (None,) * 3 if state is None else state.conv.chunk(3, dim=1)
         # the projections first, then the convs: under torch.compile, fla's ops may each break the
         # graph, and breaks next to one another leave fewer, larger graphs
         inputs = [p(x) for p in projs]
+        if record is not None:
+            record.conv_inputs = torch.cat(inputs, dim=-1)
         outs = [conv(y, c.weight.squeeze(1), initial_state=s) for y, c, s in zip(inputs, convs, initial, strict=True)]
         tails = None if state is None else torch.cat([t for _, t in outs], dim=1)
         return tuple(y.unflatten(-1, (H, K)) for y, _ in outs), tails

@@ -82,14 +82,22 @@ class K3Model(nn.Module):
                                                                                      config.rms_norm_eps)
             self.attn_res_read = attn_res_read
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens=None, cache: K3Cache | None = None) -> torch.Tensor:
-        """[B, T] -> final hidden states [B, T, D] (after the last norm)."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens=None, cache: K3Cache | None = None,
+                depth_taps: list | None = None) -> torch.Tensor:
+        """[B, T] -> final hidden states [B, T, D] (after the last norm). `depth_taps`, a list:
+        filled with the representations along depth [B, T, D] (fp32): the AttnRes sources (the
+        embedding, then each finished block) and the last block's sum, or without AttnRes the
+        residual stream after each layer (what a speculative draft reads, SPEC §12.5)."""
         h = self.embed_tokens(input_ids)
         states = cache.layers if cache is not None else [None] * len(self.layers)
         blocks: list[BlockSource] | None = None if self.config.attn_res_block_size is None else []
         for layer, state in zip(self.layers, states):
             h = layer(h, blocks, cu_seqlens, state)
+            if depth_taps is not None and blocks is None:
+                depth_taps.append(h.float())
         if blocks is not None:
+            if depth_taps is not None:
+                depth_taps += [b.value for b in blocks] + [h.float()]
             h = self.attn_res_read(h, blocks, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(h)
 
@@ -125,21 +133,23 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                 cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
-                logits_to_keep: torch.Tensor | None = None) -> torch.Tensor:
+                logits_to_keep: torch.Tensor | None = None, hidden_out: list | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] in fp32.
 
         cu_seqlens [N+1] (B == 1): packed documents. cache: N sequences continued in place
         (N = B, or len(cu_seqlens) - 1). attention_mask [B, T] (1 = token): padded rows; pad
         positions get zero logits. logits_to_keep [P] (positions along T, as HF's tensor form):
         logits [B, P, V] of those positions only; a serving step samples from one position per
-        sequence, and a [T, V] fp32 prefill logit tensor is the largest thing it would write."""
+        sequence, and a [T, V] fp32 prefill logit tensor is the largest thing it would write.
+        hidden_out (a list; packed or uniform rows): gets the final hidden states [B, T, D] of every
+        position, then the depth taps of `K3Model.forward` (a speculative draft's inputs)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if attention_mask is not None:
             if cu_seqlens is not None:
                 raise ValueError("pass either attention_mask (padded rows) or cu_seqlens (packed rows), not both")
-            if logits_to_keep is not None:
-                raise ValueError("logits_to_keep selects positions of packed or uniform rows, not of padded ones")
+            if logits_to_keep is not None or hidden_out is not None:
+                raise ValueError("logits_to_keep and hidden_out are for packed or uniform rows, not padded ones")
             return self._forward_padded(input_ids, attention_mask, cache)
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs a single packed row, got batch {input_ids.shape[0]}")
@@ -150,7 +160,10 @@ class K3ForCausalLM(nn.Module):
             new_tokens = (cu_seqlens.diff().cpu() if cu_seqlens is not None
                           else torch.full((num_seqs,), input_ids.shape[1], dtype=torch.long))
             cache.reserve(new_tokens)
-        hidden = self.model(input_ids, cu_seqlens, cache)
+        taps = None if hidden_out is None else []
+        hidden = self.model(input_ids, cu_seqlens, cache, taps)
+        if hidden_out is not None:
+            hidden_out += [hidden] + taps
         if logits_to_keep is not None:
             hidden = hidden[:, logits_to_keep]
         logits = self.lm_head(hidden).float()

@@ -41,6 +41,7 @@ from k3.serve.request import Request, RequestStatus
 from k3.serve.runner import ModelRunner
 from k3.serve.sampling import SampledToken, SamplingParams
 from k3.serve.scheduler import Scheduler
+from k3.serve.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ class EngineConfig:
     # or None; "inductor" fuses the small kernels of a decode step (the first steps of each shape compile)
     compile: str | None = None
     seed: int | None = None
+    # speculative decoding with a draft (LLMEngine's `draft`): tokens drafted per sequence and step
+    num_speculative_tokens: int = 0
+
+
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -90,21 +96,36 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig | None = None):
+    def __init__(self, model, config: EngineConfig | None = None, draft=None):
+        """`draft`: an `EagleDraft` for the model (k3.checkpoint.draft_folder.load_draft checks
+        that it is): with config.num_speculative_tokens >= 1 every decoding sequence drafts that
+        many tokens per step and the model verifies them (k3.serve.speculator)."""
         self.config = config = config or EngineConfig()
         self.model = model.eval()
+        k = config.num_speculative_tokens
+        if (draft is None) != (k == 0):
+            raise ValueError("speculative decoding needs both a draft and num_speculative_tokens >= 1"
+                             if draft is None or k else "a draft was given but num_speculative_tokens is 0")
+        if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
         if config.compile:
             compile_regions(model, backend=config.compile)
         dtype = next(model.parameters()).dtype
         self.layout = PageLayout.from_config(model.config, config.block_size, dtype)
-        num_pages = config.cache_bytes // self.layout.page_bytes
+        speculator = None if draft is None else Speculator(model, draft, k)
+        # speculation's memory, taken from the pool's budget: per running sequence, the draft's
+        # state and the replay inputs of its k + 1 verified tokens in every KDA layer (SPEC §11)
+        self.speculation_bytes = 0 if draft is None else config.max_num_seqs * (
+            speculator.state_bytes() + (k + 1) * self.layout.replay_bytes_per_token)
+        num_pages = max(config.cache_bytes - self.speculation_bytes, 0) // self.layout.page_bytes
         self.cache = CacheManager(self.layout, num_pages, hash_block_size=config.hash_block_size,
                                   enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=min(config.max_model_len, model.config.max_position_embeddings),
-                                   max_waiting=config.max_waiting)
-        self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs)
+                                   max_waiting=config.max_waiting, num_speculative_tokens=k)
+        self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs,
+                                  speculator=speculator)
         self.eos_token_id = model.config.eos_token_id
         self._lock = threading.Lock()
         # a deque, appended without the lock: abort() may run from a finalizer (gc) on any thread,
@@ -114,6 +135,9 @@ class LLMEngine:
         log.info("engine: %d pages of %d bytes (%d tokens each; KDA state %d pages), hash block %d, prefix cache %s",
                  num_pages, self.layout.page_bytes, config.block_size, self.layout.pages_per_state,
                  config.hash_block_size, "on" if config.enable_prefix_caching else "off")
+        if draft is not None:
+            log.info("speculative decoding: %d draft tokens per step; %.1f MB of the pool for draft states and "
+                     "replay inputs (%d sequences)", k, self.speculation_bytes / 2**20, config.max_num_seqs)
 
     @property
     def max_model_len(self) -> int:
@@ -157,21 +181,21 @@ class LLMEngine:
                 for r in out.requests:
                     request = self.scheduler.finish(r.request_id, RequestStatus.FINISHED_ABORTED)
                     if request is not None:
-                        self.runner.sampler.forget(request.request_id)
+                        self.runner.forget(request.request_id)
                     failed.append(r.request_id)
             raise StepError(failed, outputs) from e
         with self._lock:
             for request in self.scheduler.update(out, result.sampled, result.scored):
                 # None: a prompt-only request finished, or its prompt's scores failed
-                token = result.sampled.get(request.request_id) if request.error is None else None
-                outputs.append(self._output(request, [] if token is None or token.error is not None else [token]))
+                new = result.sampled.get(request.request_id) if request.error is None else None
+                outputs.append(self._output(request, [] if not new or new[0].error is not None else new))
             if not self.scheduler.has_unfinished:  # idle: the decode slots hold no finished request
                 self.runner.release_held_requests()
         return outputs
 
     def _output(self, request: Request, new: list[SampledToken]) -> RequestOutput:
         if request.status.finished:
-            self.runner.sampler.forget(request.request_id)
+            self.runner.forget(request.request_id)
         first = len(request.output_token_ids) == len(new)
         prompt = request.prompt_logprobs if first and request.sampling.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, new, request.status.finished, request.finish_reason,

@@ -74,5 +74,13 @@ class PageLayout:
         """Pages of a full KDA state (all layers): a request's private state or a checkpoint."""
         return self.num_kda_layers * self.pages_per_snapshot
 
+    @property
+    def replay_bytes_per_token(self) -> int:
+        """What a verified token keeps for a KDA rollback by replay, over all KDA layers (SPEC §11;
+        `k3.model.cache.KDAInputs`): the pre-conv q|k|v inputs, k and v after the conv and the
+        raw gate (model dtype), and beta (fp32) — against a snapshot per drafted position."""
+        C = self.kda_heads * self.kda_head_dim
+        return self.num_kda_layers * ((self.conv_channels + 3 * C) * self.itemsize + self.kda_heads * 4)
+
     def mla_pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size) if self.num_mla_layers else 0

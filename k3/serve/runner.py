@@ -36,17 +36,21 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.model.cache import K3Cache, KDAState, MLAState
+from k3.model.cache import K3Cache, KDAInputs, KDAState, MLAState
 from k3.serve.decode_graph import capturable_experts
 from k3.serve.decode_slots import DecodeSlots
 from k3.serve.page_layout import PageLayout
 from k3.serve.sampling import SampledToken, Sampler, SamplingParams
 from k3.serve.scheduler import ScheduledRequest, SchedulerOutput
+from k3.serve.speculative_sampling import verify, with_logprobs
+from k3.serve.speculator import Proposal, Speculator
 
 
 @dataclass
 class StepResult:
-    sampled: dict[str, SampledToken]  # the next token of each chunk that reached its last known token
+    # the new tokens of each chunk that reached its last known token: one, or with speculation the
+    # kept drafts and the target's next token
+    sampled: dict[str, list[SampledToken]]
     scored: dict[str, list[SampledToken]]  # prompt logprobs of each chunk's score_targets
 
 
@@ -57,8 +61,12 @@ STEP_KINDS = ("packed", "decode_eager", "decode_graph_capture", "decode_graph_re
 
 class ModelRunner:
     def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, speculator: Speculator | None = None):
         self.model = model
+        # speculative decoding: every step is a packed forward (it verifies drafts and gives the
+        # draft its representations); counts of drafted / accepted tokens and verified sequences
+        self.speculator = speculator
+        self.spec_counts: Counter[str] = Counter()
         self.config = model.config
         self.layout = layout
         self.device = next(model.parameters()).device
@@ -79,6 +87,12 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and capturable_experts(model)
         self.slots = DecodeSlots(model, self.cuda_graphs)
         self._kda_layers, self._mla_layers = self.slots.kda_layers, self.slots.mla_layers
+
+    def forget(self, request_id: str) -> None:
+        """A request finished: drop its sampling generator and draft state."""
+        self.sampler.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget([request_id])
 
     # ------------------------------------------------------------------ page views
     def latent_pages(self) -> torch.Tensor:
@@ -199,12 +213,13 @@ class ModelRunner:
             self.write_snapshots([r.state_pages[j] for j in range(len(self._kda_layers)) for r in requests],
                                  conv.flatten(0, 1), recurrent.flatten(0, 1))
 
-    def write_latents(self, requests: list[ScheduledRequest], cache: K3Cache) -> None:
+    def write_latents(self, requests: list[ScheduledRequest], cache: K3Cache, kept: list[int] | None = None) -> None:
         """Store the step's new latent rows (from the cache's first rows; padding rows after them are
-        dropped) in the requests' MLA pages, with a handful of batched copies."""
+        dropped) in the requests' MLA pages, with a handful of batched copies. `kept[n]`: how many
+        of request n's rows to store (the verified ones, with speculation; default all)."""
         if not self._mla_layers:
             return
-        counts = torch.tensor([len(r.token_ids) for r in requests])
+        counts = torch.tensor(kept if kept is not None else [len(r.token_ids) for r in requests])
         seq = torch.repeat_interleave(torch.arange(len(requests)), counts)  # [T] request of each new token
         first = torch.tensor([r.num_computed for r in requests])
         offset_in_chunk = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[seq]
@@ -238,6 +253,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> StepResult:
+        if self.speculator is not None:
+            self.speculator.forget(out.released)
         continuing = self._slots_continue(out)
         if not continuing:
             self._flush_states(out.released)
@@ -248,40 +265,123 @@ class ModelRunner:
             self.pool[plan.zero] = 0
         self._copy(plan.copy_before)
         requests = out.requests
-        ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device)
-        cu = torch.tensor([0] + [len(r.token_ids) for r in requests], device=self.device).cumsum(0)
+        proposals = self._propose(requests, params) if self.speculator is not None else {}
+        runs = [r.token_ids + (proposals[r.request_id].tokens if r.request_id in proposals else []) for r in requests]
+        ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
         chosen = [n for n, r in enumerate(requests) if r.sample]  # chunks that reach their last known token
         scoring = [n for n, r in enumerate(requests) if r.score_targets]  # chunks with prompt positions to score
-        decode = len(requests) == ids.numel()
-        if decode:  # a uniform [N, 1] batch on the slots takes the batched decode paths
+        if len(requests) == ids.numel() and self.speculator is None:  # [N, 1] on the slots: batched decode paths
             logits, cache = self._decode(ids, requests, continuing)
             rows, score_rows = logits[chosen], logits[scoring]
             self._states_behind = requests
             if plan.copy_after:  # a checkpoint copies state pages: they must be current
                 self._flush_states(released=set())
-        else:  # logits only at the chosen chunks' last tokens and at the positions to score
-            self.step_counts["packed"] += 1
-            cache = self.build_cache(requests)
-            starts = [0] + list(itertools.accumulate(len(r.token_ids) for r in requests))
-            keep = [starts[n + 1] - 1 for n in chosen] + [
-                starts[n] + requests[n].score_from - requests[n].num_computed + k
-                for n in scoring for k in range(len(requests[n].score_targets))]
-            kept = self.model(ids[None], cu_seqlens=cu, cache=cache,
-                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))[0]
-            rows, score_rows = kept[:len(chosen)], kept[len(chosen):]
-            states = [cache.layers[i] for i in self._kda_layers]
-            if states:
-                self.write_states(requests, torch.stack([s.conv for s in states]),
-                                  torch.stack([s.recurrent for s in states]))
-        self.write_latents(requests, cache)
-        self._copy(plan.copy_after)
-        if decode:
+            self.write_latents(requests, cache)
+            self._copy(plan.copy_after)
             self.slots.holds = requests
+            return self._sample(rows, score_rows, requests, chosen, scoring, params)
+        self.step_counts["packed"] += 1
+        cache = self.build_cache(requests)
+        spec = [n for n, r in enumerate(requests) if r.request_id in proposals]
+        speculating = set(spec)
+        records = self._record_inputs(cache) if spec else []
+        starts = [0] + list(itertools.accumulate(len(run) for run in runs))
+        # logits at the chosen chunks' last tokens (every verified position of a speculating one),
+        # then at the positions to score
+        keep, first_row = [], {}
+        for n in chosen:
+            first_row[n] = len(keep)
+            keep += list(range(starts[n], starts[n + 1])) if n in speculating else [starts[n + 1] - 1]
+        score_from = len(keep)
+        keep += [starts[n] + requests[n].score_from - requests[n].num_computed + k
+                 for n in scoring for k in range(len(requests[n].score_targets))]
+        cu = torch.tensor(starts, device=self.device)
+        extra = {} if self.speculator is None else {"hidden_out": []}  # the draft reads the target's depth
+        kept_logits = self.model(ids[None], cu_seqlens=cu, cache=cache, **extra,
+                                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))[0]
+        hidden_out = extra.get("hidden_out")
+        sampled = {}
+        for n in spec:
+            r = requests[n]
+            verified = kept_logits[first_row[n]:first_row[n] + len(runs[n])]
+            sampled[r.request_id] = self._verify(r.request_id, verified, proposals[r.request_id], params[r.request_id])
+        computed = [len(r.token_ids) + (len(sampled[r.request_id]) - 1 if n in speculating else 0)
+                    for n, r in enumerate(requests)]
+        states = [cache.layers[i] for i in self._kda_layers]
+        if states:
+            if spec:
+                self._roll_back(states, records, [requests[n] for n in spec], [starts[n] for n in spec],
+                                [computed[n] for n in spec], spec)
+            self.write_states(requests, torch.stack([s.conv for s in states]),
+                              torch.stack([s.recurrent for s in states]))
+        self.write_latents(requests, cache, computed)
+        self._copy(plan.copy_after)
+        if self.speculator is not None:
+            self.speculator.advance([r.request_id for r in requests], [run[:c] for run, c in zip(runs, computed)],
+                                    hidden_out, [list(range(s, s + c)) for s, c in zip(starts, computed)])
+        plain = [n for n in chosen if n not in speculating]
+        result = self._sample(kept_logits[[first_row[n] for n in plain]], kept_logits[score_from:], requests,
+                              plain, scoring, params)
+        result.sampled.update(sampled)
+        return result
+
+    def _sample(self, rows: torch.Tensor, score_rows: torch.Tensor, requests: list[ScheduledRequest],
+                chosen: list[int], scoring: list[int], params: dict[str, SamplingParams]) -> StepResult:
         scored = self._score(score_rows, [requests[n] for n in scoring], params) if scoring else {}
         if not chosen:
             return StepResult({}, scored)
         rids = [requests[n].request_id for n in chosen]
-        return StepResult(dict(zip(rids, self.sampler.sample(rows, rids, [params[rid] for rid in rids]))), scored)
+        tokens = self.sampler.sample(rows, rids, [params[rid] for rid in rids])
+        return StepResult({rid: [t] for rid, t in zip(rids, tokens)}, scored)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _propose(self, requests: list[ScheduledRequest], params: dict[str, SamplingParams]) -> dict[str, Proposal]:
+        """Draft tokens for the requests the scheduler gave room to speculate (and whose draft
+        has a representation to start from)."""
+        spec = [r for r in requests if r.num_draft and self.speculator.can_propose(r.request_id)]
+        if not spec:
+            return {}
+        rids = [r.request_id for r in spec]
+        ps = [params[rid] for rid in rids]
+        proposals = self.speculator.propose(rids, [r.token_ids[-1] for r in spec], [r.num_draft for r in spec], ps,
+                                            [None if p.greedy else self.sampler.generator(rid, p)
+                                             for rid, p in zip(rids, ps)])
+        return dict(zip(rids, proposals))
+
+    def _verify(self, rid: str, logits: torch.Tensor, proposal: Proposal, p: SamplingParams) -> list[SampledToken]:
+        try:
+            tokens = verify(logits, proposal.tokens, proposal.probs, p,
+                            None if p.greedy else self.sampler.generator(rid, p))
+            out = with_logprobs(tokens, logits, p)
+        except Exception as e:  # as in Sampler.sample: this request fails alone
+            return [SampledToken(-1, error=f"sampling failed: {e}")]
+        self.spec_counts["verified"] += 1
+        self.spec_counts["drafted"] += len(proposal.tokens)
+        self.spec_counts["accepted"] += len(tokens) - 1
+        return out
+
+    def _record_inputs(self, cache: K3Cache) -> list[KDAInputs]:
+        records = []
+        for i in self._kda_layers:
+            cache.layers[i].record = KDAInputs()
+            records.append(cache.layers[i].record)
+        return records
+
+    def _roll_back(self, states: list[KDAState], records: list[KDAInputs], spec: list[ScheduledRequest],
+                   starts: list[int], computed: list[int], rows: list[int]) -> None:
+        """Each speculating request's KDA states become the states after its verified tokens only:
+        replayed from its state pages (still the state before this step) over the kept inputs of
+        those tokens (SPEC §11), never a state saved per drafted position."""
+        index = torch.tensor([s + k for s, c in zip(starts, computed) for k in range(c)], device=self.device)
+        cu = torch.tensor([0] + computed, device=self.device).cumsum(0)
+        conv, recurrent = self.read_snapshots([r.state_pages[j] for j in range(len(self._kda_layers)) for r in spec])
+        conv, recurrent = conv.view(-1, len(spec), *self._conv_shape), recurrent.view(-1, len(spec), *self._state_shape)
+        at = torch.tensor(rows, device=self.device)
+        for j, (i, state, record) in enumerate(zip(self._kda_layers, states, records)):
+            kept = KDAInputs(*(t[:, index] for t in (record.conv_inputs, record.k, record.v, record.g_raw, record.beta)))
+            replayed = self.model.model.layers[i].self_attn.replay(kept, KDAState(conv[j], recurrent[j]), cu)
+            state.conv[at] = replayed.conv.to(state.conv.dtype)
+            state.recurrent[at] = replayed.recurrent
 
     def _score(self, rows: torch.Tensor, requests: list[ScheduledRequest],
                params: dict[str, SamplingParams]) -> dict[str, list[SampledToken]]:

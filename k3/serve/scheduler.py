@@ -34,6 +34,9 @@ class ScheduledRequest:
     # ... (inside this chunk) score the prompt tokens score_targets (each the token after its position)
     score_from: int = 0
     score_targets: list[int] = field(default_factory=list)
+    # speculative decoding: room (pages, token budget) for this many drafted tokens after token_ids;
+    # the runner drafts them and reports the tokens it kept
+    num_draft: int = 0
 
 
 @dataclass
@@ -52,7 +55,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: CacheManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: int = 4096, max_waiting: int = 1024):
+                 max_model_len: int = 4096, max_waiting: int = 1024, num_speculative_tokens: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_waiting < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
         self.cache = cache
@@ -62,6 +65,7 @@ class Scheduler:
         if self.max_model_len < 2:
             raise ValueError(f"the page pool is too small to serve any request ({cache.pool.num_pages} pages)")
         self.max_waiting = max_waiting
+        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -105,14 +109,25 @@ class Scheduler:
         upcoming = [c for c in request.checkpoints if c > start]
         return min(n, upcoming[0] - start) if upcoming else n
 
-    def _scheduled(self, request: Request, n: int, out: SchedulerOutput) -> None:
+    def _drafts(self, request: Request, budget: int) -> int:
+        """How many tokens a decoding request may draft this step: up to k, within its max_tokens,
+        the model length and the step's budget; none while a KDA checkpoint is pending (one is
+        saved only where a step's verified tokens end, which drafts make unknowable)."""
+        if not self.num_speculative_tokens or request.num_tokens - request.num_computed_tokens != 1 \
+                or request.checkpoints:
+            return 0
+        room = min(request.sampling.max_tokens - len(request.output_token_ids),
+                   self.max_model_len - request.num_tokens, budget) - 1
+        return max(0, min(self.num_speculative_tokens, room))
+
+    def _scheduled(self, request: Request, n: int, out: SchedulerOutput, drafts: int = 0) -> None:
         start = request.num_computed_tokens
         if start + n in request.checkpoints:
             self.cache.plan_checkpoint(request, start + n, out.plan)
         scheduled = ScheduledRequest(
             request.request_id, request.all_token_ids[start:start + n], start,
             list(self.cache.page_table(request.request_id)), self.cache.state_pages(request.request_id),
-            sample=start + n == request.num_tokens and request.sampling.max_tokens > 0)
+            sample=start + n == request.num_tokens and request.sampling.max_tokens > 0, num_draft=drafts)
         if request.sampling.prompt_logprobs is not None:  # positions not scored yet (a recompute skips them)
             first, end = max(start, len(request.prompt_logprobs)), min(start + n, request.num_prompt_tokens - 1)
             scheduled.score_from, scheduled.score_targets = first, request.prompt_token_ids[first + 1:end + 1]
@@ -135,15 +150,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk(request, request.num_computed_tokens, budget)
-            while not self.cache.grow(request, n):
+            drafts = self._drafts(request, budget)
+            while not self.cache.grow(request, n + drafts):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                self._scheduled(request, n, out)
-                budget -= n
+                self._scheduled(request, n, out, drafts)
+                budget -= n + drafts
                 i += 1
                 continue
             break
@@ -163,15 +179,22 @@ class Scheduler:
         out.released, self._released = self._released, set()
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]],
                scored: dict[str, list[SampledToken]] | None = None) -> list[Request]:
-        """Account for a finished step (`scored`: prompt logprobs of the step's score_targets);
-        returns the requests that sampled (a token, or an error that finished them alone) or
-        finished scoring their prompt with max_tokens 0; some now finished."""
+        """Account for a finished step (`sampled`: each sampling chunk's new tokens, one or with
+        speculation several; `scored`: prompt logprobs of the step's score_targets); returns the
+        requests that sampled (tokens, or an error that finished them alone) or finished scoring
+        their prompt with max_tokens 0; some now finished. A request that stops inside its new
+        tokens keeps those up to the stop: `sampled` is cut to what was appended."""
         changed = []
         for s in out.requests:
             request = self.requests[s.request_id]
-            request.num_computed_tokens += len(s.token_ids)
+            new = sampled.get(s.request_id, [])
+            kept = [t.token_id for t in new[:-1]] if s.num_draft and new and new[0].error is None else []
+            # a speculating request computed its last token and the drafts it kept (one per new
+            # token): they join the tokens now, so the prefix cache can hash what was computed
+            request.output_token_ids += kept
+            request.num_computed_tokens += len(s.token_ids) + len(kept)
             self.cache.commit(request)
             request.checkpoints = [c for c in request.checkpoints if c > request.num_computed_tokens]
             if s.score_targets:
@@ -190,15 +213,18 @@ class Scheduler:
             if not s.sample:
                 continue
             changed.append(request)
-            if sampled[s.request_id].error is not None:
-                request.error = sampled[s.request_id].error
+            if new[0].error is not None:
+                request.error = new[0].error
                 self.finish(request.request_id, RequestStatus.FINISHED_ERROR)
                 continue
-            token = sampled[s.request_id].token_id
-            request.output_token_ids.append(token)
-            status = self._stop_status(request, token)
-            if status is not None:
-                self.finish(request.request_id, status)
+            del request.output_token_ids[len(request.output_token_ids) - len(kept):]  # appended again, checked
+            for k, token in enumerate(t.token_id for t in new):
+                request.output_token_ids.append(token)
+                status = self._stop_status(request, token)
+                if status is not None:
+                    del new[k + 1:]
+                    self.finish(request.request_id, status)
+                    break
         return changed
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

@@ -28,7 +28,7 @@ def request(rid: str, prompt: list[int], max_tokens: int = 1, boundaries=()) -> 
 
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.update(out, {r.request_id: SampledToken(token) for r in out.requests if r.sample})
+    s.update(out, {r.request_id: [SampledToken(token)] for r in out.requests if r.sample})
     return out
 
 
@@ -86,7 +86,7 @@ def test_kda_checkpoint_hit_with_copy_on_write_exact_pages():
     assert (sr.num_computed, sr.token_ids, sr.page_table, sr.state_pages) == (9, PROMPT[9:], [1, 2, 5], [[0]])
     assert out.plan.copy_before == [(3, 5), (4, 0)] and out.plan.zero == []
     assert cm.pool.ref_cnt == [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # 3 and 4 pinned until copied
-    s.update(out, {"r2": SampledToken(7)})
+    s.update(out, {"r2": [SampledToken(7)]})
     assert cm.pool.ref_cnt == [0] * 11
     assert cm.pool.free_order() == [5, 0, 6, 7, 8, 9, 10, 4, 3, 2, 1]
     st = cm.stats

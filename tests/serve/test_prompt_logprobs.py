@@ -34,7 +34,7 @@ def _scores(out) -> list[tuple[str, int, list[int], bool]]:
 
 def _step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.update(out, {r.request_id: SampledToken(token) for r in out.requests if r.sample},
+    s.update(out, {r.request_id: [SampledToken(token)] for r in out.requests if r.sample},
              {r.request_id: [SampledToken(t, -1.0) for t in r.score_targets] for r in out.requests})
     return out
 
