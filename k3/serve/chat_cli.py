@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, engine_config, usage_error
+from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, build_engine, check_speculation, usage_error
 
 NOT_CHAT_TUNED = ("note: {name} has not been chat-tuned (its tokenizer_config.json has no chat_template):\n"
                   "      its replies are plain continuations of the conversation's text, not answers.\n"
@@ -45,20 +45,20 @@ def show(events) -> None:
 
 
 def run(args) -> int:
-    from k3.serve.engine import LLMEngine
     from k3.serve.loading import load_for_serving
     from k3.serve.sampling import SamplingParams
     from k3.text.xtml import XTML, map_reasoning_effort
 
     try:
+        check_speculation(args)
         model, tokenizer, name, chat_tuned = load_for_serving(args.run, args.model, args.tokenizer, args.device,
                                                               args.dtype)
         chat = XTML(tokenizer)  # a tokenizer without K3's chat markers cannot hold a conversation
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # bad values: one line
         map_reasoning_effort(args.reasoning_effort)
+        engine = build_engine(model, args)
     except LOAD_ERRORS as e:
         return usage_error("chat", e)
-    engine = LLMEngine(model, engine_config(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"k3 chat with {name}: empty line or Ctrl-D to quit")
     if not chat_tuned:

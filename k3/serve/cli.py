@@ -7,7 +7,9 @@ import os
 import sys
 
 from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES
-from k3.serve.engine import EngineConfig
+from k3.serve.engine import MAX_SPECULATIVE_TOKENS, EngineConfig, LLMEngine
+
+DEFAULT_SPECULATIVE_TOKENS = 4
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +36,29 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "serving: shorter decode steps on CUDA once each shape has compiled (off by default: "
                         "docs/SERVING.md has what it measured)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--draft", help="a speculative draft folder (`k3 train-draft` writes RUN/draft): decode with "
+                                   "speculation, verified by the model (same outputs in greedy, same distribution "
+                                   "when sampling)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help=f"tokens the draft proposes per step, 1..{MAX_SPECULATIVE_TOKENS} (default 4 with --draft)")
+
+
+def check_speculation(args) -> None:
+    """Bad speculation settings, refused before anything loads (one line)."""
+    k = args.num_speculative_tokens
+    if k is not None and args.draft is None:
+        raise ValueError("--num-speculative-tokens needs --draft DIR (a `k3 train-draft` folder)")
+    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+
+
+def build_engine(model, args) -> LLMEngine:
+    """The engine for the loaded model, with its draft when --draft is given (checked against the
+    model: k3.checkpoint.draft_folder.DraftError, a ValueError, names the mismatch)."""
+    from k3.checkpoint.draft_folder import load_draft
+
+    draft = None if args.draft is None else load_draft(args.draft, model)
+    return LLMEngine(model, engine_config(args), draft=draft)
 
 
 def engine_config(args) -> EngineConfig:
@@ -42,7 +67,8 @@ def engine_config(args) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         cuda_graphs=not args.no_cuda_graphs, compile="inductor" if args.compile else None,
-                        seed=args.seed)
+                        seed=args.seed, num_speculative_tokens=0 if args.draft is None
+                        else args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
 
 
 # what loading a bad --run / --model / --tokenizer raises (a missing or corrupted file, a checkpoint
@@ -69,17 +95,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from k3.serve.api.server import build_app, run_server
-    from k3.serve.engine import AsyncEngine, LLMEngine
+    from k3.serve.engine import AsyncEngine
     from k3.serve.loading import load_for_serving
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.max_request_bytes < 1:
         return usage_error("serve", ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}"))
     try:
+        check_speculation(args)
         model, tokenizer, name, _ = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+        engine = AsyncEngine(build_engine(model, args), tokenizer)
     except LOAD_ERRORS as e:
         return usage_error("serve", e)
-    engine = AsyncEngine(LLMEngine(model, engine_config(args)), tokenizer)
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes)
     run_server(app, args.host, args.port)

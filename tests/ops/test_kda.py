@@ -123,10 +123,10 @@ def test_packed_sequences_equal_separate_runs(impl):
 
 @pytest.mark.parametrize("with_state", [True, False])
 def test_packed_decode_rows_equal_padded_chunk_with_gradients(with_state):
-    """A serving step's shape (one-token decode rows around a prefill chunk): the split path
+    """A serving step's shape (decode and speculative rows around prefill chunks): the split path
     (k3/ops/kda/decode_rows.py) equals kda_chunk over the whole padded batch, outputs, final states
     and the gradients of every input."""
-    lengths = [1, 1, 30, 1, 7]
+    lengths = [1, 1, 30, 1, 7, 5, 16, 17]  # short rows (<= 16: the recurrent batch) around chunked ones
     N, H, K = len(lengths), 2, 16
     inputs = make_inputs(1, sum(lengths), H, K, K, "softplus", with_state=with_state, N=N)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])

@@ -178,3 +178,31 @@ def test_pool_accounts_for_draft_states_and_replay_inputs(model, draft):
 def test_bad_settings_are_refused(model, draft, k, draft_given, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         LLMEngine(model, EngineConfig(num_speculative_tokens=k), draft=draft if draft_given else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings_", [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}])
+def test_engine_sampling_with_speculation_keeps_the_target_distribution(settings_):
+    """Through the engine, on a 24-token vocabulary: the first two sampled tokens of 20k requests
+    (k = 3, the random-init draft) follow the model's own distributions (chi-square p > 0.01);
+    the second token is checked given the most frequent first token."""
+    torch.manual_seed(0)
+    V = 24
+    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=V)).eval()
+    draft = EagleDraft(model.config).eval()
+    prompt = [5, 9, 13]
+    params = SamplingParams(max_tokens=2, ignore_eos=True, **settings_)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=256, max_waiting=1000, max_num_batched_tokens=2048,
+                                           num_speculative_tokens=3, cache_bytes=512 << 20,
+                                           seed=0, enable_prefix_caching=False), draft=draft)
+    outs = []
+    for _ in range(20000 // 500):
+        outs += engine.generate([prompt] * 500, params)
+    assert engine.runner.spec_counts["drafted"] > 0
+    law = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    with torch.no_grad():
+        p0 = sampling_probs(model(torch.tensor([prompt]))[0, -1:], **law)[0]
+        first = max(range(V), key=lambda t: sum(o[0] == t for o in outs))
+        p1 = sampling_probs(model(torch.tensor([prompt + [first]]))[0, -1:], **law)[0]
+    assert _chi_square_p([o[0] for o in outs], p0) > 0.01
+    assert _chi_square_p([o[1] for o in outs if o[0] == first], p1) > 0.01

@@ -43,6 +43,19 @@ class _EngineCollector:
         yield steps
         yield CounterMetricFamily("k3_runner_slot_fills", "Decode steps that refilled the decode slots from pages "
                                   "(the batch changed)", value=e.runner.slot_fills)
+        if e.runner.speculator is not None:
+            spec = e.runner.spec_counts
+            yield CounterMetricFamily("k3_spec_draft_tokens", "Tokens proposed by the speculative draft",
+                                      value=spec["drafted"])
+            yield CounterMetricFamily("k3_spec_accepted_tokens", "Drafted tokens the model accepted",
+                                      value=spec["accepted"])
+            yield CounterMetricFamily("k3_spec_verifications", "Sequence-steps that verified drafted tokens",
+                                      value=spec["verified"])
+            yield GaugeMetricFamily("k3_spec_mean_acceptance_length",
+                                    "Tokens emitted per verification: accepted drafts plus the model's own (1 = none "
+                                    "accepted)", value=1 + spec["accepted"] / max(spec["verified"], 1))
+            yield GaugeMetricFamily("k3_spec_reserved_bytes", "Pool bytes set aside for draft states and KDA replay "
+                                    "inputs", value=e.speculation_bytes)
 
 
 class Metrics:
