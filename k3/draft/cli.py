@@ -46,6 +46,7 @@ def expected_acceptance_length(accept: list[float], k: int) -> float:
 def run(args) -> int:
     import torch
 
+    from k3.atomic import write_text_atomic
     from k3.checkpoint.draft_folder import save_draft
     from k3.checkpoint.official import load_pretrained
     from k3.checkpoint.run_folder import resolve_checkpoint
@@ -92,9 +93,7 @@ def run(args) -> int:
                "final_loss": tail[-1]["loss"], "acceptance_per_step": accept,
                "expected_acceptance_length_k4": expected_acceptance_length(accept, 4)}
     save_draft(draft, target, out, extra={"training": summary})
-    with open(out / "metrics.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    write_text_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     print(f"draft saved to {out}: LK loss {summary['final_loss']:.3f}; sampling acceptance per step "
           f"{', '.join(f'{a:.2f}' for a in accept)}; expected tokens per verification at k=4 "
           f"{summary['expected_acceptance_length_k4']:.2f} (measure it: bench/speculative.py)")

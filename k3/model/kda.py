@@ -109,33 +109,47 @@ class KimiDeltaAttention(KeepsFP32):
         """x [B, T, D] -> [B, T, D]. With `state`, continue its N sequences and leave the new conv
         tails and recurrent state in it."""
         B = x.shape[0]
-        H, K = self.num_heads, self.head_dim
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if state is not None:
             self._check_state(state, N)
-        (q, k, v), tails = self.short_convs(x, cu_seqlens, state)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        g_raw, decay = self.forget_gate(x)
-        if state is not None and state.record is not None:  # kept for a replay (SPEC §11)
-            record = state.record
-            record.k, record.v, record.g_raw, record.beta = k, v, g_raw, beta
+        (q, k, v, g_raw, beta), tails = self.op_inputs(x, cu_seqlens, state)
         # Under no_grad (decode) the state is updated in place: it keeps its address for CUDA-graph
         # replay; under autograd it is replaced, keeping the graph through it intact.
         in_place = state is not None and not torch.is_grad_enabled()
-        o, final_state = kda(q, k, v, g_raw, beta, scale=K ** -0.5,
-                             initial_state=None if state is None else state.recurrent,
-                             output_final_state=state is not None, cu_seqlens=cu_seqlens,
-                             impl=self.config.kda_impl, chunk_size=self.config.kda_chunk_size,
-                             update_state_in_place=in_place, normalize_qk=True, gate=decay)
+        o, final_state = self.op(q, k, v, g_raw, beta, initial_state=None if state is None else state.recurrent,
+                                 output_final_state=state is not None, cu_seqlens=cu_seqlens,
+                                 update_state_in_place=in_place)
         if in_place:
             state.conv.copy_(tails)
         elif state is not None:
             state.conv = tails.to(state.conv.dtype)
             state.recurrent = final_state
+        return self.op_output(o, x)
+
+    # The three steps of forward, public so that context parallelism (k3/parallel) can run the op
+    # on a segment with an initial state it computed, without a second copy of the layer's math.
+    def op_inputs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, state: KDAState | None):
+        """x [B, T, D] -> ((q, k, v, g_raw, beta) as the KDA op takes them, new conv tails or None)."""
+        (q, k, v), tails = self.short_convs(x, cu_seqlens, state)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        g_raw, _ = self.forget_gate(x)
+        if state is not None and state.record is not None:  # kept for a replay (SPEC §11)
+            record = state.record
+            record.k, record.v, record.g_raw, record.beta = k, v, g_raw, beta
+        return (q, k, v, g_raw, beta), tails
+
+    def op(self, q, k, v, g_raw, beta, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The KDA op with this layer's scale, gate and backend: (o [B, T, H, V], final state | None)."""
+        return kda(q, k, v, g_raw, beta, scale=self.head_dim ** -0.5, impl=self.config.kda_impl,
+                   chunk_size=self.config.kda_chunk_size, normalize_qk=True,
+                   gate=DecayGate(self.A_log, self.dt_bias, self.config.gate_lower_bound), **kwargs)
+
+    def op_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The op's o [B, T, H, V] -> the layer's output [B, T, D]."""
         gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         # Official order: normalize, multiply the norm weight, then the sigmoid gate, all in fp32.
-        o = rms_norm_gated(o, gate.unflatten(-1, (H, K)), self.o_norm.weight, eps=self.o_norm.eps,
-                           impl=self._kernel_impl)
+        o = rms_norm_gated(o, gate.unflatten(-1, (self.num_heads, self.head_dim)), self.o_norm.weight,
+                           eps=self.o_norm.eps, impl=self._kernel_impl)
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
     def replay(self, inputs: KDAInputs, state: KDAState, cu_seqlens: torch.Tensor) -> KDAState:
@@ -144,11 +158,10 @@ class KimiDeltaAttention(KeepsFP32):
         the kept conv inputs, the recurrence by the KDA op on the kept k, v, gate and beta
         (`k3.ops.kda.replay`). Speculative decoding's rollback replays the accepted tokens."""
         self._check_state(state, cu_seqlens.numel() - 1)
-        impl = "recurrent" if self.config.kda_impl in ("auto", "chunk") and not inputs.v.is_cuda else self.config.kda_impl
         _, recurrent = kda(inputs.k, inputs.k, inputs.v, inputs.g_raw, inputs.beta, scale=self.head_dim ** -0.5,
                            initial_state=state.recurrent, output_final_state=True, cu_seqlens=cu_seqlens,
-                           impl=impl, chunk_size=self.config.kda_chunk_size, normalize_qk=True,
-                           gate=DecayGate(self.A_log, self.dt_bias, self.config.gate_lower_bound))
+                           impl=self.config.kda_impl, chunk_size=self.config.kda_chunk_size, normalize_qk=True,
+                           gate=DecayGate(self.A_log, self.dt_bias, self.config.gate_lower_bound), sequential=True)
         return KDAState(replay_tails(state.conv, inputs.conv_inputs, cu_seqlens), recurrent)
 
     def short_convs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,

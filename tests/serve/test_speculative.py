@@ -124,6 +124,46 @@ def test_real_draft_end_to_end(model, draft):
     assert engine.runner.spec_counts["drafted"] > 0
 
 
+def test_multi_turn_reuses_checkpoints_and_logprobs_and_stops_match(model, draft):
+    """A second turn (the first turn's prompt, its reply and new text, with the turn boundary
+    marked) hits the prefix cache at the boundary checkpoint and still decodes exactly; logprobs of
+    speculated tokens equal the plain engine's; a stop token inside a run of accepted drafts ends
+    the output right there."""
+    g = torch.Generator().manual_seed(7)
+    first = torch.randint(6, VOCAB, (21,), generator=g).tolist()
+    reply = generate(model, [first], MAX_TOKENS)[0]
+    second = first + reply + torch.randint(6, VOCAB, (9,), generator=g).tolist()
+    expected = generate(model, [first, second], MAX_TOKENS)
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, max_num_seqs=4, num_speculative_tokens=4),
+                       draft=draft)
+    engine.runner.speculator.propose = oracle(engine, {tuple(first): expected[0], tuple(second): expected[1]}, 3, 0.2)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    r1 = engine.add_request(first, greedy)
+    while engine.has_unfinished:
+        engine.step()
+    r2 = engine.add_request(second, greedy, boundaries=(len(first) + len(reply),))
+    outputs = []
+    while engine.has_unfinished:
+        outputs += [t for o in engine.step() for t in o.new_tokens]
+    assert r1.output_token_ids == expected[0] and r2.output_token_ids == expected[1]
+    assert r2.num_cached_tokens == len(first) - 1  # the first turn's prompt-end checkpoint was reused
+    plain = LLMEngine(model, EngineConfig(block_size=4))
+    plain.add_request(second, greedy)
+    reference = []
+    while plain.has_unfinished:
+        reference += [t for o in plain.step() for t in o.new_tokens]
+    for got, ref in zip(outputs, reference):
+        assert got.token_id == ref.token_id and abs(got.logprob - ref.logprob) < 1e-4
+        assert [t for t, _ in got.top_logprobs] == [t for t, _ in ref.top_logprobs]
+    stop = expected[1][5]
+    engine.add_request(second, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                              stop_token_ids=[stop]), request_id="stopping")
+    stopped = []
+    while engine.has_unfinished:
+        stopped += [t.token_id for o in engine.step() for t in o.new_tokens]
+    assert stopped == expected[1][:expected[1].index(stop) + 1]
+
+
 def _chi_square_p(samples: list[int], probs: torch.Tensor) -> float:
     support = probs > 0
     assert all(support[s] for s in samples), "a token outside the target's support was emitted"
@@ -183,26 +223,33 @@ def test_bad_settings_are_refused(model, draft, k, draft_given, message):
 @pytest.mark.slow
 @pytest.mark.parametrize("settings_", [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}])
 def test_engine_sampling_with_speculation_keeps_the_target_distribution(settings_):
-    """Through the engine, on a 24-token vocabulary: the first two sampled tokens of 20k requests
-    (k = 3, the random-init draft) follow the model's own distributions (chi-square p > 0.01);
-    the second token is checked given the most frequent first token."""
+    """Through the engine, on a 24-token vocabulary, 20k requests of 3 new tokens with k = 2 and the
+    random-init draft: the first token comes from the prefill step, the second and third from a
+    speculative step (a kept draft, a residual draw or the bonus token); each position's empirical
+    distribution matches the model's exact marginal there (summed over the earlier tokens from its
+    own distributions), chi-square p > 0.01."""
     torch.manual_seed(0)
-    V = 24
+    V, n = 24, 20000
     model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=V)).eval()
     draft = EagleDraft(model.config).eval()
     prompt = [5, 9, 13]
-    params = SamplingParams(max_tokens=2, ignore_eos=True, **settings_)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, **settings_)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=256, max_waiting=1000, max_num_batched_tokens=2048,
-                                           num_speculative_tokens=3, cache_bytes=512 << 20,
-                                           seed=0, enable_prefix_caching=False), draft=draft)
+                                           num_speculative_tokens=2, cache_bytes=512 << 20, seed=0,
+                                           enable_prefix_caching=False), draft=draft)
     outs = []
-    for _ in range(20000 // 500):
-        outs += engine.generate([prompt] * 500, params)
-    assert engine.runner.spec_counts["drafted"] > 0
-    law = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    for _ in range(n // 1000):
+        outs += engine.generate([prompt] * 1000, params)
+    counts = engine.runner.spec_counts
+    assert counts["drafted"] > 0 and 0 < counts["accepted"] < counts["drafted"]
+    law = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
     with torch.no_grad():
-        p0 = sampling_probs(model(torch.tensor([prompt]))[0, -1:], **law)[0]
-        first = max(range(V), key=lambda t: sum(o[0] == t for o in outs))
-        p1 = sampling_probs(model(torch.tensor([prompt + [first]]))[0, -1:], **law)[0]
-    assert _chi_square_p([o[0] for o in outs], p0) > 0.01
-    assert _chi_square_p([o[1] for o in outs if o[0] == first], p1) > 0.01
+        p0 = sampling_probs(model(torch.tensor([prompt]))[0, -1:], **law)[0]  # [V]
+        firsts = torch.tensor([prompt + [f] for f in range(V)])
+        p1 = sampling_probs(model(firsts)[:, -1], **law)  # [V(first), V]
+        pairs = torch.tensor([prompt + [f, t] for f in range(V) for t in range(V)])
+        p2 = sampling_probs(model(pairs)[:, -1], **law).view(V, V, V)  # [first, second, V]
+    joint1 = p0[:, None] * p1  # P(first, second)
+    marginals = [p0, joint1.sum(0), (joint1[:, :, None] * p2).sum((0, 1))]
+    for i, marginal in enumerate(marginals):
+        assert _chi_square_p([o[i] for o in outs], marginal) > 0.01, f"token {i}"

@@ -60,8 +60,12 @@ def kda(
     update_state_in_place: bool = False,
     normalize_qk: bool = False,
     gate: DecayGate | None = None,
+    sequential: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
+    """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None). `sequential`:
+    token-by-token arithmetic on every backend (torch: the recurrent reference; fla: its fused
+    recurrent kernel, packed rows included), the decode step's own, so a replayed state equals the
+    one a decode step would have reached (k3.ops.kda.replay)."""
     if impl not in IMPLS:
         raise ValueError(f"kda: impl must be one of {IMPLS}, got {impl!r}")
     if update_state_in_place and (initial_state is None or not output_final_state
@@ -70,6 +74,8 @@ def kda(
                          "initial_state to write into")
     if impl == "auto":
         impl = _auto_impl(q, v, cu_seqlens)
+    if sequential and impl == "chunk":
+        impl = "recurrent"
         if not torch.compiler.is_compiling():  # logging inside a traced region would break the graph
             _announce(impl, q.device.type, v.dtype)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -81,7 +87,7 @@ def kda(
     if impl == "fla":
         o, final_state = fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
                                              update_state_in_place=update_state_in_place,
-                                             normalize_qk=normalize_qk, gate=gate)
+                                             normalize_qk=normalize_qk, gate=gate, sequential=sequential)
     elif impl == "recurrent":
         o, final_state = kda_recurrent(q, k, v, g, beta, **common)
     elif cu_seqlens is not None:  # a serving step's decode rows must not be padded to a chunk each

@@ -50,6 +50,7 @@ def kda_fla(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     update_state_in_place: bool = False,
+    sequential: bool = False,
     normalize_qk: bool = False,
     gate: DecayGate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,7 +86,7 @@ def kda_fla(
         # the raw kernel entry skips fla's input_guard: hand it contiguous tensors
         o, state = fused_recurrent_kda_fwd(*(t.contiguous() for t in (q, k, v, g, beta)), **common,
                                            inplace_final_state=True)
-    elif decode:
+    elif decode or (sequential and not needs_grad):  # token by token, packed rows too (a replay)
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
         bounded = gate is not None and gate.lower_bound is not None
