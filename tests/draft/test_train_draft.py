@@ -21,20 +21,13 @@ from k3.model.draft import EagleDraft
 from k3.serve import cli as serve_cli
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
-from k3.train.trainer import Trainer
-from tests.helpers.train import quiet, tiny_settings
+from tests.helpers.train import trained_tiny_run
 from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pre")
-    trainer = Trainer(tiny_settings(root, "run", steps=2, ckpt_every=2), progress=False, log=quiet)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return root / "run"
+    return trained_tiny_run(tmp_path_factory.mktemp("pre"))
 
 
 def _args(run_dir: Path, **changes) -> argparse.Namespace:

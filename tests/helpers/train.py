@@ -1,4 +1,4 @@
-"""A very small `k3 train` setting: config, corpus, settings, and reading a run's losses."""
+"""A very small `k3 train` setting: config, corpus, settings, a finished run, and reading a run's losses."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from k3.config import load_config
 from k3.data.corpus import load_documents
-from k3.train.trainer import TrainSettings
+from k3.train.trainer import Trainer, TrainSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,3 +43,13 @@ def losses(run_dir: str | Path) -> list[float]:
 
 def quiet(*_a, **_k):
     pass
+
+
+def trained_tiny_run(root: Path, steps: int = 2) -> Path:
+    """A finished `k3 train` run of the small setting (a target for sft / train-draft tests)."""
+    trainer = Trainer(tiny_settings(root, "run", steps=steps, ckpt_every=steps), progress=False, log=quiet)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return root / "run"

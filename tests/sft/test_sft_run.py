@@ -13,19 +13,12 @@ from k3.sft.batches import example, pack_examples
 from k3.sft.cli import add_arguments, run
 from k3.sft.trainer import SFTSettings, SFTTrainer
 from k3.train.packing import IGNORE_INDEX
-from k3.train.trainer import Trainer
-from tests.helpers.train import losses, quiet, tiny_settings
+from tests.helpers.train import losses, quiet, trained_tiny_run
 
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pre")
-    trainer = Trainer(tiny_settings(root, "run", steps=2, ckpt_every=2), progress=False, log=quiet)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return root / "run"
+    return trained_tiny_run(tmp_path_factory.mktemp("pre"))
 
 
 def sft_settings(pretrained: Path, out: Path, **changes) -> SFTSettings:
