@@ -7,7 +7,8 @@ length, at batch 1 and 8 (issue #25; docs/BENCHMARKS.md "Speculative decoding").
 Prompts are windows of the run's held-out text (its run.json's validation split), so neither the
 target nor the draft trained on them. Per batch size and mode (greedy, and sampling at
 temperature 0.8): the same prompts through an engine without and with speculation (`k`), wall
-time of the decode (prefill included, one warm-up batch first), tokens/s and the speedup; with
+time of the decode (prefill included, one warm-up batch first; the two engines' runs interleaved
+and repeated, the median of each, so a busy machine slows both alike), tokens/s and the speedup; with
 speculation the mean acceptance length (tokens emitted per verification, the model's own
 included) from the runner's counters. Greedy outputs are also compared token for token.
 """
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each engine, interleaved (median)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", help="write the results here")
@@ -68,22 +70,26 @@ def main() -> None:
                              ("sampling T=0.8", SamplingParams(max_tokens=args.new_tokens, temperature=0.8,
                                                                ignore_eos=True, seed=0))):
             row = {"batch": batch, "mode": mode, "k": args.k}
-            outs = {}
+            engines = {}
             for label, k in (("plain", 0), ("spec", args.k)):
                 cfg = EngineConfig(max_num_seqs=max(batch, 8), max_model_len=args.prompt_len + args.new_tokens + 8,
                                    num_speculative_tokens=k, cache_bytes=256 << 20)
-                engine = LLMEngine(model, cfg, draft=draft if k else None)
-                timed(engine, prompts_all[:batch], params)  # warm-up
-                if k:
-                    engine.runner.spec_counts.clear()
-                seconds, out = timed(engine, prompts_all[batch:2 * batch], params)
-                tokens = sum(len(o) for o in out)
-                row[f"{label}_tokens_per_s"] = tokens / seconds
-                outs[label] = out
-                if k:
-                    c = engine.runner.spec_counts
-                    row["mean_acceptance_length"] = 1 + c["accepted"] / max(c["verified"], 1)
-                    row["drafted"], row["accepted"] = c["drafted"], c["accepted"]
+                engines[label] = LLMEngine(model, cfg, draft=draft if k else None)
+                timed(engines[label], prompts_all[:batch], params)  # warm-up
+            engines["spec"].runner.spec_counts.clear()
+            # interleaved repeats, the median of each: a busy machine slows both alike, not one
+            seconds: dict[str, list[float]] = {"plain": [], "spec": []}
+            outs = {}
+            for _ in range(args.repeats):
+                for label, engine in engines.items():
+                    t, outs[label] = timed(engine, prompts_all[batch:2 * batch], params)
+                    seconds[label].append(t)
+            tokens = sum(len(o) for o in outs["plain"])
+            for label in engines:
+                row[f"{label}_tokens_per_s"] = tokens / float(np.median(seconds[label]))
+            c = engines["spec"].runner.spec_counts
+            row["mean_acceptance_length"] = 1 + c["accepted"] / max(c["verified"], 1)
+            row["drafted"], row["accepted"] = c["drafted"], c["accepted"]
             row["speedup"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
             if mode == "greedy":
                 row["greedy_equal"] = outs["plain"] == outs["spec"]

@@ -56,7 +56,7 @@ class StepResult:
 
 # ModelRunner.step_counts keys: a packed forward (prefill chunks, with or without decode rows); a
 # decode step run eagerly, or the step that captured a graph (it runs the step too), or a replay
-STEP_KINDS = ("packed", "decode_eager", "decode_graph_capture", "decode_graph_replay")
+STEP_KINDS = ("packed", "decode_eager", "decode_graph_capture", "decode_graph_replay", "speculative")
 
 
 class ModelRunner:
@@ -270,6 +270,9 @@ class ModelRunner:
         ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
         chosen = [n for n, r in enumerate(requests) if r.sample]  # chunks that reach their last known token
         scoring = [n for n, r in enumerate(requests) if r.score_targets]  # chunks with prompt positions to score
+        if self.speculator is not None and all(len(r.token_ids) == 1 and r.sample and not r.score_targets
+                                               for r in requests):  # decoding only: on the slots
+            return self._speculate_on_slots(requests, runs, proposals, params, plan, continuing)
         if len(requests) == ids.numel() and self.speculator is None:  # [N, 1] on the slots: batched decode paths
             logits, cache = self._decode(ids, requests, continuing)
             rows, score_rows = logits[chosen], logits[scoring]
@@ -348,6 +351,59 @@ class ModelRunner:
                                              for rid, p in zip(rids, ps)])
         return dict(zip(rids, proposals))
 
+    def _speculate_on_slots(self, requests: list[ScheduledRequest], runs: list[list[int]],
+                            proposals: dict[str, Proposal], params: dict[str, SamplingParams], plan,
+                            continuing: bool) -> StepResult:
+        """A step of decoding requests only, each with its drafts (or none), on the decode slots:
+        the states stay there between steps as for plain decode (no page reads and writes per
+        step). The slots' KDA rows before the step are the one checkpoint per sequence; one packed
+        forward over every `last token + drafts` run, then each row is replayed from that
+        checkpoint over its verified tokens, and its MLA lengths cut back to them."""
+        self.step_counts["speculative"] += 1
+        N = len(requests)
+        rows, columns = self.slots.shape_for(N, max(r.num_computed + len(run) for r, run in zip(requests, runs)))
+        if continuing and self.slots.must_grow(rows, columns):
+            self._flush_states(released=set())  # the rows are lost with the old storage
+            continuing = False
+        if not continuing:
+            self.slots.reserve(rows, columns)
+            self._fill_slots(requests)
+        cache = self.slots.view(N, columns)
+        kda_states = [cache.layers[i] for i in self._kda_layers]
+        before = [KDAState(s.conv.clone(), s.recurrent.clone()) for s in kda_states]  # the checkpoint
+        records = self._record_inputs(cache)
+        starts = [0] + list(itertools.accumulate(len(run) for run in runs))
+        ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
+        hidden_out: list = []
+        logits = self.model(ids[None], cu_seqlens=torch.tensor(starts, device=self.device), cache=cache,
+                            hidden_out=hidden_out)[0]
+        sampled = {}
+        for n, r in enumerate(requests):
+            proposal = proposals.get(r.request_id, Proposal([], None))
+            sampled[r.request_id] = self._verify(r.request_id, logits[starts[n]:starts[n + 1]], proposal,
+                                                 params[r.request_id])
+        computed = [len(sampled[r.request_id]) if sampled[r.request_id][0].error is None else 1 for r in requests]
+        index = torch.tensor([starts[n] + k for n, c in enumerate(computed) for k in range(c)], device=self.device)
+        cu = torch.tensor([0] + computed, device=self.device).cumsum(0)
+        for i, state, old, record in zip(self._kda_layers, kda_states, before, records):
+            kept = KDAInputs(*(t[:, index] for t in (record.conv_inputs, record.k, record.v, record.g_raw, record.beta)))
+            replayed = self.model.model.layers[i].self_attn.replay(kept, old, cu)
+            state.conv.copy_(replayed.conv.to(state.conv.dtype))
+            state.recurrent.copy_(replayed.recurrent)
+        lengths = torch.tensor([r.num_computed + c for r, c in zip(requests, computed)], dtype=torch.long)
+        self.slots.host_lengths[:N] = lengths
+        if self._mla_layers:
+            self.slots.mla_lengths[:, :N] = lengths.to(self.device)
+        self._states_behind = requests
+        if plan.copy_after:  # a checkpoint copies state pages: they must be current
+            self._flush_states(released=set())
+        self.write_latents(requests, cache, computed)
+        self._copy(plan.copy_after)
+        self.slots.holds = requests
+        self.speculator.advance([r.request_id for r in requests], [run[:c] for run, c in zip(runs, computed)],
+                                hidden_out, [list(range(s, s + c)) for s, c in zip(starts, computed)])
+        return StepResult(sampled, {})
+
     def _verify(self, rid: str, logits: torch.Tensor, proposal: Proposal, p: SamplingParams) -> list[SampledToken]:
         try:
             tokens = verify(logits, proposal.tokens, proposal.probs, p,
@@ -355,9 +411,10 @@ class ModelRunner:
             out = with_logprobs(tokens, logits, p)
         except Exception as e:  # as in Sampler.sample: this request fails alone
             return [SampledToken(-1, error=f"sampling failed: {e}")]
-        self.spec_counts["verified"] += 1
-        self.spec_counts["drafted"] += len(proposal.tokens)
-        self.spec_counts["accepted"] += len(tokens) - 1
+        if proposal.tokens:
+            self.spec_counts["verified"] += 1
+            self.spec_counts["drafted"] += len(proposal.tokens)
+            self.spec_counts["accepted"] += len(tokens) - 1
         return out
 
     def _record_inputs(self, cache: K3Cache) -> list[KDAInputs]:

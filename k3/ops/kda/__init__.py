@@ -88,6 +88,8 @@ def kda(
         o, final_state = fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
                                              update_state_in_place=update_state_in_place,
                                              normalize_qk=normalize_qk, gate=gate, sequential=sequential)
+    elif impl == "recurrent" and sequential and cu_seqlens is not None:  # a replay: all rows as one batch
+        o, final_state = kda_split_decode_rows(q, k, v, g, beta, **common, short_below=q.shape[1])
     elif impl == "recurrent":
         o, final_state = kda_recurrent(q, k, v, g, beta, **common)
     elif cu_seqlens is not None:  # a serving step's decode rows must not be padded to a chunk each

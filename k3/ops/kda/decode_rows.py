@@ -36,12 +36,14 @@ def kda_split_decode_rows(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    short_below: int = SHORT,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`kda_chunk` over a packed [1, T] batch, with its one-token sequences split off as above."""
+    """`kda_chunk` over a packed [1, T] batch, with its sequences of at most `short_below` tokens
+    split off as above (a large `short_below`: every sequence token by token, in one batch)."""
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     lengths = seq_lengths(cu_seqlens)
-    short = [n for n, length in enumerate(lengths) if length <= SHORT]
-    multi = [n for n, length in enumerate(lengths) if length > SHORT]
+    short = [n for n, length in enumerate(lengths) if length <= short_below]
+    multi = [n for n, length in enumerate(lengths) if length > short_below]
     if not short:
         return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
