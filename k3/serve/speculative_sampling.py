@@ -33,7 +33,7 @@ def verify(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Te
         return drafts[:kept] + [best[kept]]
     p = sampling_probs(target_logits.float().cpu(), temperature=params.temperature, top_p=params.top_p,
                        top_k=params.top_k)
-    q = draft_probs.cpu()
+    q = draft_probs.cpu() if drafts else None  # no drafts (none proposed this step): plain sampling
     out = []
     for i, d in enumerate(drafts):
         if torch.rand((), generator=generator) * q[i, d] < p[i, d]:  # r < p/q without dividing by q

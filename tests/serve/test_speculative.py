@@ -164,6 +164,20 @@ def test_multi_turn_reuses_checkpoints_and_logprobs_and_stops_match(model, draft
     assert stopped == expected[1][:expected[1].index(stop) + 1]
 
 
+def test_sampling_after_a_prefix_hit_starts_without_drafts(model, draft):
+    """A resent prompt hits the cache and computes only its last token: the draft has nothing to
+    start from yet, so that step verifies no drafts and samples plainly (it once failed there)."""
+    prompt = list(range(10, 40))
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, num_speculative_tokens=3), draft=draft)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1, ignore_eos=True)
+    for _ in range(2):
+        request = engine.add_request(prompt, params)
+        while engine.has_unfinished:
+            engine.step()
+        assert request.error is None and len(request.output_token_ids) == MAX_TOKENS
+    assert request.num_cached_tokens > 0
+
+
 def _chi_square_p(samples: list[int], probs: torch.Tensor) -> float:
     support = probs > 0
     assert all(support[s] for s in samples), "a token outside the target's support was emitted"
