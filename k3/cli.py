@@ -18,11 +18,14 @@ from k3.threads import ThreadsError, configure
 COMMANDS = {
     "params": ("k3.params_cli", "count parameters of a config (total / activated per token)"),
     "train": ("k3.train.cli", "train a model (default: k3-tiny on the bundled corpus, CPU)"),
+    "train-draft": ("k3.draft.cli", "train a speculative-decoding draft on a run's own outputs"),
     "sft": ("k3.sft.cli", "fine-tune a run on conversations in K3's chat format (default: a tool-use set)"),
     "generate": ("k3.generation.cli", "sample from a trained run"),
     "serve": ("k3.serve.cli", "OpenAI-compatible HTTP server"),
     "chat": ("k3.serve.chat_cli", "chat with a model in the terminal"),
     "quantize": ("k3.checkpoint.quantize_cli", "convert a checkpoint to the MXFP4 packed layout"),
+    "plan": ("k3.parallel.plan_cli", "size DP x EP x CP x PP layouts: memory, communication, step time"),
+    "ablate": ("k3.ablate.cli", "run a small-scale ablation study of a K3 component over seeds"),
 }
 THREADS_HELP = ("CPU threads for torch; overrides $K3_NUM_THREADS, which overrides $OMP_NUM_THREADS "
                 "(default: the CPUs available to this process less one; idle threads sleep, OMP_WAIT_POLICY=PASSIVE)")

@@ -56,9 +56,11 @@ class RoutedExperts(nn.Module):
         """The expert inputs as the experts see them; quantization-aware training overrides this."""
         return x
 
-    def run_sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [M, H] sorted by expert, counts [E] rows per expert -> [M, H]."""
-        w1, w3, w2 = self.weights()
+    def run_sorted(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        """x [M, H] sorted by expert, counts [E'] rows per expert -> [M, H]. `weights`: another
+        stack of (w1, w3, w2) [E', ...] to run instead of the bank's own (expert parallelism runs
+        a rank's home experts and copies of others, k3/parallel/expert_parallel.py)."""
+        w1, w3, w2 = self.weights() if weights is None else weights
         x = self.inputs(x)
         if grouped_mm_available(x):
             # _grouped_mm is not autocast-aware (pytorch#174763): match the activations' dtype

@@ -152,6 +152,10 @@ class GatedMLA(nn.Module):
             else:
                 o = self._extend_packed(q, lat, buffer, state.lengths, cu_seqlens)
             state.buffer = buffer
+        return self.output(o, x)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attention output o [B, T, H*V] -> [B, T, D]: the sigmoid output gate, then o_proj."""
         if self.config.mla_use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)

@@ -15,6 +15,7 @@ from k3.checkpoint.run_folder import latest_checkpoint
 from k3.checkpoint.training_state import CheckpointSaveError, ResumeStateError
 from k3.config import ConfigError
 from k3.data.corpus import DataError
+from k3.train.muon import OPTIMIZERS
 from k3.train.trainer import BALANCE_RULES, Trainer, TrainError, TrainSettings
 
 _DEFAULTS = TrainSettings()
@@ -25,6 +26,10 @@ def add_optimizer_arguments(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
     p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW (default {d.lr})")
     p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
+    if hasattr(d, "optimizer"):  # a verb whose settings choose the optimizer
+        p.add_argument("--optimizer", choices=OPTIMIZERS,
+                       help=f"matrix weights' update: K3's Per-Head Muon, whole-matrix Muon, or AdamW for every "
+                            f"parameter (default {d.optimizer})")
     p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
     p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
     p.add_argument("--compile", action="store_true", default=None,
@@ -64,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-windows", type=int, help="validation windows per eval, the same ones every time "
                                                      "(default: all of the validation split, up to 262,144 tokens)")
     add_run_arguments(p, d)
+    p.add_argument("--ep", type=int, help="under torchrun: expert-parallel ranks; routed experts are split over them "
+                                          "(default 1)")
+    p.add_argument("--dp", type=int, help="under torchrun: data-parallel ranks (default: world size / --ep)")
+    p.add_argument("--ep-plan", choices=("balanced", "home"),
+                   help="expert placement per micro-batch: balanced (MoonEP's online plan: equal tokens per rank, "
+                        "copies of hot experts) or home (plain EP) (default balanced)")
     p.add_argument("--cache-dir", help="tokenizer/token cache (default $K3_CACHE_DIR or ~/.cache/k3)")
 
 

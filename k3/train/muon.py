@@ -10,6 +10,8 @@ scale comes from the block's shape. Every other 2-D weight is orthogonalized who
 each routed expert of a stacked bank, dense FFN, low-rank factors). Embeddings, lm_head, norms, biases, A_log, dt_bias, the
 AttnRes pseudo-queries (`*_res_proj`) and non-matrix weights (convs [C, 1, W]) use AdamW.
 The router's `e_score_correction_bias` is a buffer moved by balancing, never by this optimizer.
+`param_groups(..., optimizer=)` also builds the two common alternatives (for `k3 ablate`): "muon"
+orthogonalizes every Muon weight whole (no head blocks), "adamw" puts every parameter in AdamW.
 
 Why not torch.optim.Muon: it orthogonalizes whole 2-D matrices only (no block structure) and its
 Newton-Schulz is a private 2-D helper; here the blocks of a weight run as one batched NS.
@@ -34,6 +36,7 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 _LAYER_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.weight$")
 _EXPERT_BANK = re.compile(r"\.experts\.w[123]$")  # stacked routed experts [E, out, in] (k3/model/experts.py)
+OPTIMIZERS = ("per-head-muon", "muon", "adamw")  # K3's choice first (SPEC §8)
 
 
 @dataclass(frozen=True)
@@ -110,10 +113,14 @@ def orthogonalize(update: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     return out * (0.2 * math.sqrt(max(rows, size)))
 
 
-def param_groups(model: nn.Module, config: K3Config, *, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, config: K3Config, *, weight_decay: float,
+                 optimizer: str = "per-head-muon") -> list[dict]:
     """Named groups: one Muon group per block structure, AdamW with and without decay.
     Decay applies to matrices and embeddings; never to norms, biases, A_log, dt_bias or the
-    zero-initialized pseudo-queries (decay would only pull them back to the uniform average)."""
+    zero-initialized pseudo-queries (decay would only pull them back to the uniform average).
+    `optimizer` (OPTIMIZERS): "muon" cuts no head blocks, "adamw" sends every weight to AdamW."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     groups: dict[str, dict] = {}
 
     def add(group_name: str, name: str, p: torch.Tensor, **extra):
@@ -124,7 +131,9 @@ def param_groups(model: nn.Module, config: K3Config, *, weight_decay: float) -> 
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        blocks = head_blocks(config, name, p)
+        blocks = None if optimizer == "adamw" else head_blocks(config, name, p)
+        if blocks is not None and optimizer == "muon":
+            blocks = Blocks()
         if blocks is not None:
             add(f"muon_{blocks.label}", name, p, kind="muon", block_axis=blocks.axis, block_size=blocks.size,
                 weight_decay=weight_decay)

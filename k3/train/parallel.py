@@ -67,14 +67,70 @@ def init_world(device: str) -> World:
     return World(dist.get_rank(), dist.get_world_size(), dev)
 
 
-def shard_model(model: torch.nn.Module, world: World) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, world: World, *, ep: int = 1, dp: int | None = None,
+                ep_plan: str = "balanced") -> torch.nn.Module:
     """FSDP2: one unit per decoder layer (the bulk of the weights), then the root (embedding,
-    final norm, output AttnRes read, lm_head), as torchtitan does."""
-    mesh = init_device_mesh(world.device.type, (world.size,))
+    final norm, output AttnRes read, lm_head), as torchtitan does.
+
+    With ep > 1 the world is a (dp, ep) mesh: every rank still reads its own data; each MoE layer's
+    routed experts are DTensors sharded on dim 0 over "ep" and FSDP2-sharded over "dp", tokens
+    reach them by all-to-all (k3/parallel/expert_parallel.py, MoonEP's balanced plan by default);
+    everything else is FSDP2-sharded over all ranks. Expert gradients are summed over their EP
+    group by the all-to-all backward, so they are scaled by 1/ep before FSDP averages them over dp."""
+    dp = world.size // ep if dp is None else dp
+    if ep < 1 or dp < 1 or ep * dp != world.size:
+        raise TrainError(f"--ep {ep} x --dp {dp} must equal the world size {world.size}")
+    everyone = init_device_mesh(world.device.type, (world.size,))
+    if ep > 1:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from k3.model.experts import RoutedExperts
+        from k3.parallel.expert_parallel import ExpertParallel
+
+        mesh = init_device_mesh(world.device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
+        try:
+            ExpertParallel(mesh["ep"].get_group(), plan=ep_plan, grad_scale=1.0 / ep).apply(model)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        for module in model.modules():
+            if isinstance(module, RoutedExperts):
+                for name in ("w1", "w3", "w2"):
+                    p = getattr(module, name)
+                    setattr(module, name, torch.nn.Parameter(distribute_tensor(p.data, mesh["ep"], [Shard(0)])))
+                fully_shard(module, mesh=mesh["dp"])
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=everyone)
+    fully_shard(model, mesh=everyone)
     return model
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, also when gradients live on different device meshes (routed experts
+    on the (dp, ep) mesh, the rest on all ranks), whose norms torch cannot stack: each mesh's norm
+    is computed and reduced apart, then combined. Returns the total norm."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    meshes = {p.grad.device_mesh if isinstance(p.grad, DTensor) else None for p in params}
+    if len(meshes) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = torch.zeros((), device=params[0].grad.device)
+    # the same order on every rank (a set's order is not): each norm's reduction is a collective
+    for mesh in sorted(meshes, key=lambda m: (-1,) if m is None else (m.ndim, *m.mesh.flatten().tolist())):
+        grads = [p.grad for p in params if (p.grad.device_mesh if isinstance(p.grad, DTensor) else None) == mesh]
+        norm = torch.nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total = total + norm.float() ** 2
+    total = total.sqrt()
+    coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
+    for p in params:
+        p.grad.mul_(coef)
+    return total
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
 
 
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:

@@ -46,9 +46,9 @@ from k3.text.tokenizer import (
 from k3.train.balance import balance_step, expert_loads
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
-from k3.train.muon import PerHeadMuon, param_groups
+from k3.train.muon import OPTIMIZERS, PerHeadMuon, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, pack, window, windows_for_step
-from k3.train.parallel import World, all_reduce_sum, init_world, shard_model, shutdown
+from k3.train.parallel import World, all_reduce_sum, barrier, clip_grad_norm_, init_world, shard_model, shutdown
 from k3.train.progress import Progress
 from k3.train.schedule import warmup_cosine
 
@@ -75,6 +75,7 @@ class TrainSettings:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    optimizer: str = "per-head-muon"  # per-head-muon | muon | adamw (k3.train.muon.OPTIMIZERS)
     balance: str = "quantile"  # quantile | histogram | sign | none
     qat: bool = False  # MXFP4/MXFP8 quantization-aware training of the routed experts (k3.quant.qat)
     compile: bool = False  # torch.compile norms, mixers, FFNs and AttnRes reads (k3.regional_compile); for CUDA runs
@@ -88,6 +89,9 @@ class TrainSettings:
     keep_all_state: bool = False  # optimizer/RNG state in every kept checkpoint, not only the latest
     seed: int = 0
     device: str = "cpu"
+    ep: int = 1  # expert-parallel ranks under torchrun (k3.parallel); the rest of the world is data parallel
+    dp: int | None = None  # data-parallel ranks; None: world size / ep
+    ep_plan: str = "balanced"  # balanced (MoonEP's online plan with expert copies) | home (plain EP)
     cache_dir: str | None = None  # tokenizer/token cache; None: $K3_CACHE_DIR or ~/.cache/k3
 
 
@@ -116,6 +120,8 @@ def validate_common(s, world_size: int, max_positions: int) -> None:
     _need(2 <= s.seq_len <= max_positions,
           f"sequence length {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
     _need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
+    optimizer = getattr(s, "optimizer", OPTIMIZERS[0])  # settings of other verbs may not choose one
+    _need(optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     _need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
     _need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
 
@@ -126,6 +132,22 @@ def _validate(s: TrainSettings, world: World, max_positions: int, vocab_size: in
     _need(isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size >= MIN_VOCAB_SIZE,
           f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (the byte-level BPE's special + 256 byte tokens), "
           f"got {vocab_size!r}")
+
+
+def model_config(config: str, overrides: dict) -> K3Config:
+    """A preset or config.json with K3Config overrides, as a run resolves them (TrainError if bad)."""
+    try:
+        cfg = load_config(config)
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cfg)})
+        if unknown:
+            raise ConfigError(f"unknown K3Config fields in overrides: {unknown}")
+        overrides = dict(overrides)
+        if "num_hidden_layers" in overrides:  # re-derive K3's layer schedule for the new depth
+            overrides.setdefault("kda_layers", [])
+            overrides.setdefault("full_attn_layers", [])
+        return cfg.replace(**overrides) if overrides else cfg
+    except (ConfigError, FileNotFoundError, TypeError) as e:
+        raise TrainError(str(e)) from None
 
 
 class Trainer:
@@ -148,24 +170,14 @@ class Trainer:
         config = self._read_config(settings)
         _validate(settings, self.world, config.max_position_embeddings, config.vocab_size)
         self._prepare_run_dir(settings, resume)
+        barrier(self.world)  # every rank has checked the run folder before rank 0 writes into it
         self._setup_data(settings, config, resume)
         self._write_run_files(settings, resume)
         torch.manual_seed(settings.seed)
         self._setup_model(K3ForCausalLM(self.config), resume)
 
     def _read_config(self, settings) -> K3Config:
-        try:
-            config = load_config(settings.config)
-            unknown = sorted(set(settings.overrides) - {f.name for f in dataclasses.fields(config)})
-            if unknown:
-                raise ConfigError(f"unknown K3Config fields in overrides: {unknown}")
-            overrides = dict(settings.overrides)
-            if "num_hidden_layers" in overrides:  # re-derive K3's layer schedule for the new depth
-                overrides.setdefault("kda_layers", [])
-                overrides.setdefault("full_attn_layers", [])
-            return config.replace(**overrides) if overrides else config
-        except (ConfigError, FileNotFoundError, TypeError) as e:
-            raise TrainError(str(e)) from None
+        return model_config(settings.config, settings.overrides)
 
     def _prepare_run_dir(self, settings, resume: bool) -> None:
         self.run_dir = Path(settings.out) if settings.out else Path("runs") / (
@@ -243,13 +255,15 @@ class Trainer:
 
             apply_qat(model)
         self.params = count_parameters(self.config)
-        self.model = shard_model(model, self.world) if self.world.distributed else model
+        self.model = (shard_model(model, self.world, ep=settings.ep, dp=settings.dp, ep_plan=settings.ep_plan)
+                      if self.world.distributed else model)
         if settings.compile:  # after sharding, as torchtitan orders it: FSDP2 hooks stay outside the graphs
             from k3.regional_compile import compile_regions
 
             compile_regions(model)
-        self.optimizer = PerHeadMuon(param_groups(self.model, self.config, weight_decay=settings.weight_decay),
-                                     lr=settings.lr, weight_decay=settings.weight_decay)
+        groups = param_groups(self.model, self.config, weight_decay=settings.weight_decay,
+                              optimizer=getattr(settings, "optimizer", OPTIMIZERS[0]))
+        self.optimizer = PerHeadMuon(groups, lr=settings.lr, weight_decay=settings.weight_decay)
         self.scheduler = warmup_cosine(self.optimizer, settings.steps, settings.min_lr_ratio)
         self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
         if resume:
@@ -292,7 +306,7 @@ class Trainer:
                 ok = isinstance(value, list) and all(isinstance(p, str) for p in value)
             elif name in cls.OPTIONAL_STRINGS:
                 ok = value is None or isinstance(value, str)
-            elif name == "eval_windows":
+            elif name in ("eval_windows", "dp"):
                 ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
             elif isinstance(default, bool):
                 ok = isinstance(value, bool)
@@ -345,7 +359,7 @@ class Trainer:
             loss_sum = self._loss_sum(batch)
             (loss_sum * (world.size / targets)).backward()
             nll += loss_sum.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        grad_norm = clip_grad_norm_(self.model.parameters(), s.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
