@@ -41,6 +41,10 @@ class KDAInputs:
     g_raw: torch.Tensor | None = None
     beta: torch.Tensor | None = None
 
+    def take(self, index: torch.Tensor) -> "KDAInputs":
+        """The inputs of the tokens at `index` (positions along T)."""
+        return KDAInputs(*(t[:, index] for t in (self.conv_inputs, self.k, self.v, self.g_raw, self.beta)))
+
 
 @dataclass
 class KDAState:

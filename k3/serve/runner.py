@@ -63,8 +63,9 @@ class ModelRunner:
     def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
                  cuda_graphs: bool = True, speculator: Speculator | None = None):
         self.model = model
-        # speculative decoding: every step is a packed forward (it verifies drafts and gives the
-        # draft its representations); counts of drafted / accepted tokens and verified sequences
+        # speculative decoding: every forward verifies drafts and gives the draft its representations
+        # (on the decode slots when all requests decode, else packed); counts of drafted / accepted
+        # tokens and verified sequences
         self.speculator = speculator
         self.spec_counts: Counter[str] = Counter()
         self.config = model.config
@@ -383,11 +384,7 @@ class ModelRunner:
             sampled[r.request_id] = self._verify(r.request_id, logits[starts[n]:starts[n + 1]], proposal,
                                                  params[r.request_id])
         computed = [len(sampled[r.request_id]) if sampled[r.request_id][0].error is None else 1 for r in requests]
-        index = torch.tensor([starts[n] + k for n, c in enumerate(computed) for k in range(c)], device=self.device)
-        cu = torch.tensor([0] + computed, device=self.device).cumsum(0)
-        for i, state, old, record in zip(self._kda_layers, kda_states, before, records):
-            kept = KDAInputs(*(t[:, index] for t in (record.conv_inputs, record.k, record.v, record.g_raw, record.beta)))
-            replayed = self.model.model.layers[i].self_attn.replay(kept, old, cu)
+        for state, replayed in zip(kda_states, self._replay(records, before, starts[:-1], computed)):
             state.conv.copy_(replayed.conv.to(state.conv.dtype))
             state.recurrent.copy_(replayed.recurrent)
         lengths = torch.tensor([r.num_computed + c for r, c in zip(requests, computed)], dtype=torch.long)
@@ -429,16 +426,22 @@ class ModelRunner:
         """Each speculating request's KDA states become the states after its verified tokens only:
         replayed from its state pages (still the state before this step) over the kept inputs of
         those tokens (SPEC §11), never a state saved per drafted position."""
-        index = torch.tensor([s + k for s, c in zip(starts, computed) for k in range(c)], device=self.device)
-        cu = torch.tensor([0] + computed, device=self.device).cumsum(0)
         conv, recurrent = self.read_snapshots([r.state_pages[j] for j in range(len(self._kda_layers)) for r in spec])
         conv, recurrent = conv.view(-1, len(spec), *self._conv_shape), recurrent.view(-1, len(spec), *self._state_shape)
+        before = [KDAState(conv[j], recurrent[j]) for j in range(len(self._kda_layers))]
         at = torch.tensor(rows, device=self.device)
-        for j, (i, state, record) in enumerate(zip(self._kda_layers, states, records)):
-            kept = KDAInputs(*(t[:, index] for t in (record.conv_inputs, record.k, record.v, record.g_raw, record.beta)))
-            replayed = self.model.model.layers[i].self_attn.replay(kept, KDAState(conv[j], recurrent[j]), cu)
+        for state, replayed in zip(states, self._replay(records, before, starts, computed)):
             state.conv[at] = replayed.conv.to(state.conv.dtype)
             state.recurrent[at] = replayed.recurrent
+
+    def _replay(self, records: list[KDAInputs], before: list[KDAState], starts: list[int],
+                computed: list[int]) -> list[KDAState]:
+        """Per KDA layer, the states after each sequence's first computed[n] tokens (from position
+        starts[n] of the step), advanced from `before` over the recorded inputs of those tokens."""
+        index = torch.tensor([s + k for s, c in zip(starts, computed) for k in range(c)], device=self.device)
+        cu = torch.tensor([0] + computed, device=self.device).cumsum(0)
+        return [self.model.model.layers[i].self_attn.replay(record.take(index), state, cu)
+                for i, record, state in zip(self._kda_layers, records, before)]
 
     def _score(self, rows: torch.Tensor, requests: list[ScheduledRequest],
                params: dict[str, SamplingParams]) -> dict[str, list[SampledToken]]:
