@@ -51,7 +51,7 @@ def collect(sp: StudyPlan, root: Path) -> dict:
             if m is not None:
                 runs.append({"seed": seed, "run_dir": str(run_dir(root, job).relative_to(root)), "measures": m})
         sweep = {f"{lr:g}": (load_measures(root, job) or {}).get("val_bpb")
-                 for q, lr, job in sp.sweep_jobs() if q is p}
+                 for q, lr, job in sp.sweep_jobs(root) if q is p}
         changed = {k: v for k, v in p.overrides.items() if sp.scale.overrides.get(k, "absent") != v}
         figures = {key: _stats([r["measures"].get(key) for r in runs]) for key, _ in sp.study.figures}
         variants.append({
@@ -114,12 +114,14 @@ def markdown(res: dict) -> str:
         lines.append("| " + " | ".join([f"`{v['name']}`", what, params, score, delta, *figs]) + " |")
     sweeps = [v for v in res["variants"] if v["lr_sweep"]]
     if sweeps:
-        lines += ["", f"Learning-rate sweep (seed {res['seeds'][0]}, final val bpb; the lowest is used for every seed):", "",
-                  "| variant | " + " | ".join(f"lr {lr}" for lr in sweeps[0]["lr_sweep"]) + " |",
-                  "|---|" + "---|" * len(sweeps[0]["lr_sweep"])]
+        grid = sorted({lr for v in sweeps for lr in v["lr_sweep"]}, key=float)
+        lines += ["", f"Learning-rate sweep (seed {res['seeds'][0]}, final val bpb; the lowest is used for every seed; "
+                  "a grid is extended past an edge while its best rate sits there):", "",
+                  "| variant | " + " | ".join(f"lr {lr}" for lr in grid) + " |", "|---|" + "---|" * len(grid)]
         for v in sweeps:
-            lines.append(f"| `{v['name']}` | " + " | ".join("pending" if b is None else f"{b:.4f}"
-                                                            for b in v["lr_sweep"].values()) + " |")
+            cells = ["–" if lr not in v["lr_sweep"] else "pending" if v["lr_sweep"][lr] is None
+                     else f"{v['lr_sweep'][lr]:.4f}" for lr in grid]
+            lines.append(f"| `{v['name']}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,8 @@ Layout of an ablation folder (`--out`):
 Resuming is rerunning the same command: a run with measures.json is done, a run with run.json
 continues from its latest checkpoint (`Trainer.from_run`, bit-exact on CPU), anything else starts
 over. The optimizer study first sweeps each optimizer's learning rate on the first seed
-(`Scale.lr_grid`), then runs every seed at the best one.
+(`Scale.lr_grid`, doubled or halved past an edge while the best rate sits on it), then runs every
+seed at the best one.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from k3.atomic import write_text_atomic
 from k3.train.trainer import RUN_FILE, Trainer, TrainSettings
 
 MEASURES_FILE = "measures.json"
+SWEEP_EXTEND = 3  # how far a learning-rate grid may grow past its edges: bounds the search
 
 
 _DEFAULTS = json.loads(json.dumps(dataclasses.asdict(TrainSettings())))
@@ -133,23 +135,34 @@ class StudyPlan:
         s = self.scale.settings(seed, **changes)
         return Job(dataclasses.replace(s, overrides=planned.overrides, data=self.data, cache_dir=self.cache_dir))
 
-    def sweep_jobs(self) -> list[tuple[Planned, float, Job]]:
+    def sweep_grid(self, root: Path, planned: Planned) -> tuple[list[float], bool]:
+        """The variant's learning rates to try and whether its sweep is done. The grid starts at
+        `Scale.lr_grid` and doubles (or halves) past an edge while the best rate sits on that edge,
+        up to SWEEP_EXTEND times: a best rate on the grid's edge is not a tuned one."""
+        grid = sorted(self.scale.lr_grid)
+        for _ in range(SWEEP_EXTEND + 1):
+            scores = {lr: load_measures(root, self.job(planned, self.seeds[0], lr)) for lr in grid}
+            if any(m is None for m in scores.values()):
+                return grid, False
+            best = min(grid, key=lambda lr: scores[lr]["val_bpb"])
+            if len(grid) < 2 or len(grid) >= len(self.scale.lr_grid) + SWEEP_EXTEND or grid[0] < best < grid[-1]:
+                return grid, True
+            grid = grid + [grid[-1] * 2] if best == grid[-1] else [grid[0] / 2] + grid
+        return grid, True
+
+    def sweep_jobs(self, root: Path) -> list[tuple[Planned, float, Job]]:
         return [(p, lr, self.job(p, self.seeds[0], lr)) for p in self.variants if p.variant.sweep_lr
-                for lr in self.scale.lr_grid]
+                for lr in self.sweep_grid(root, p)[0]]
 
     def tuned_lr(self, root: Path, planned: Planned) -> float | None:
         """The swept variant's best learning rate (lowest final val bpb on the first seed); None
         until its sweep is done. Variants that are not swept keep the scale's."""
         if not planned.variant.sweep_lr:
             return self.scale.lr
-        scores = {}
-        for p, lr, job in self.sweep_jobs():
-            if p is planned:
-                m = load_measures(root, job)
-                if m is None:
-                    return None
-                scores[lr] = m["val_bpb"]
-        return min(scores, key=scores.get)
+        grid, done = self.sweep_grid(root, planned)
+        if not done:
+            return None
+        return min(grid, key=lambda lr: load_measures(root, self.job(planned, self.seeds[0], lr))["val_bpb"])
 
     def main_jobs(self, root: Path) -> list[tuple[Planned, int, Job | None]]:
         """(variant, seed, job) in seed-major order; job None while the variant's LR is not chosen."""
@@ -160,9 +173,8 @@ class StudyPlan:
                 out.append((p, seed, None if lr is None else self.job(p, seed, lr)))
         return out
 
-
     def all_jobs(self, root: Path) -> list[Job | None]:
-        return [job for _, _, job in self.sweep_jobs()] + [job for _, _, job in self.main_jobs(root)]
+        return [job for _, _, job in self.sweep_jobs(root)] + [job for _, _, job in self.main_jobs(root)]
 
 
 def make_plans(studies: list[Study], scale: Scale, seeds: list[int], data: str | None = None,
@@ -175,8 +187,8 @@ def pending(plans: list[StudyPlan], root: Path) -> list[tuple[Job, list[str]]]:
     first study (in the order asked) with work left, its LR sweep first, then its variants seed by
     seed. Study by study, so an ablation cut short leaves whole studies with all their seeds."""
     for sp in plans:
-        sweep = [(job, f"{sp.study.name}/{p.variant.name} lr {lr:g}") for p, lr, job in sp.sweep_jobs()]
-        todo = sweep if any(load_measures(root, job) is None for job, _ in sweep) else [
+        sweep = [(job, f"{sp.study.name}/{p.variant.name} lr {lr:g}") for p, lr, job in sp.sweep_jobs(root)]
+        todo = sweep if any(sp.tuned_lr(root, p) is None for p in sp.variants) else [
             (job, f"{sp.study.name}/{p.variant.name}") for p, _, job in sp.main_jobs(root) if job is not None]
         merged: dict[str, tuple[Job, list[str]]] = {}
         for job, name in todo:

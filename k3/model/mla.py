@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from k3.config import K3Config
 from k3.model.cache import MLAState
 from k3.model.norm import RMSNorm
+from k3.ops import batch_invariant
 from k3.ops.varlen import seq_lengths
 
 # The official code gives the two latent norms eps 1e-6, unlike every other norm (SPEC §3).
@@ -92,7 +93,8 @@ class GatedMLA(nn.Module):
         """q [B, T, H, N+R] against the latents lat [B, S, L+R] -> [B, T, H*V]. mask: bool,
         broadcastable to [B, 1, T, S] (True = may attend); None = causal with S == T."""
         impl = self.config.mla_impl
-        if impl == "absorb" or (impl == "auto" and q.shape[1] == 1):
+        # batch-invariant arithmetic (k3.ops.batch_invariant) computes every query as a decode step does
+        if impl == "absorb" or (impl == "auto" and (q.shape[1] == 1 or batch_invariant.enabled())):
             o = self._attend_absorbed(q, lat, mask)
         else:
             o = self._attend_naive(q, lat, mask)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, build_engine, check_speculation, usage_error
+from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, build_engine, check_engine_settings, usage_error
 
 NOT_CHAT_TUNED = ("note: {name} has not been chat-tuned (its tokenizer_config.json has no chat_template):\n"
                   "      its replies are plain continuations of the conversation's text, not answers.\n"
@@ -50,7 +50,7 @@ def run(args) -> int:
     from k3.text.xtml import XTML, map_reasoning_effort
 
     try:
-        check_speculation(args)
+        check_engine_settings(args)
         model, tokenizer, name, chat_tuned = load_for_serving(args.run, args.model, args.tokenizer, args.device,
                                                               args.dtype)
         chat = XTML(tokenizer)  # a tokenizer without K3's chat markers cannot hold a conversation

@@ -41,10 +41,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                                    "when sampling)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help=f"tokens the draft proposes per step, 1..{MAX_SPECULATIVE_TOKENS} (default 4 with --draft)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="compute every token with the same arithmetic whatever the batch, chunking or "
+                        "speculation: outputs reproducible bit for bit, greedy with --draft equal to greedy "
+                        "without it token for token (CPU only, several times slower)")
 
 
-def check_speculation(args) -> None:
-    """Bad speculation settings, refused before anything loads (one line)."""
+def check_engine_settings(args) -> None:
+    """Bad speculation or batch-invariance settings, refused before anything loads (one line)."""
+    if args.batch_invariant and args.device != "cpu":
+        raise ValueError(f"--batch-invariant is CPU-only, got --device {args.device}")
+    if args.batch_invariant and args.compile:
+        raise ValueError("--batch-invariant and --compile exclude each other")
     k = args.num_speculative_tokens
     if k is not None and args.draft is None:
         raise ValueError("--num-speculative-tokens needs --draft DIR (a `k3 train-draft` folder)")
@@ -68,7 +76,8 @@ def engine_config(args) -> EngineConfig:
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         cuda_graphs=not args.no_cuda_graphs, compile="inductor" if args.compile else None,
                         seed=args.seed, num_speculative_tokens=0 if args.draft is None
-                        else args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+                        else args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
+                        batch_invariant=args.batch_invariant)
 
 
 # what loading a bad --run / --model / --tokenizer raises (a missing or corrupted file, a checkpoint
@@ -102,7 +111,7 @@ def run(args) -> int:
     if args.max_request_bytes < 1:
         return usage_error("serve", ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}"))
     try:
-        check_speculation(args)
+        check_engine_settings(args)
         model, tokenizer, name, _ = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
         engine = AsyncEngine(build_engine(model, args), tokenizer)
     except LOAD_ERRORS as e:

@@ -33,6 +33,7 @@ from typing import AsyncIterator, Callable
 
 from tokenizers import Tokenizer
 
+from k3.ops.batch_invariant import batch_invariant, check_device
 from k3.regional_compile import compile_regions
 from k3.serve.cache_manager import CacheManager
 from k3.serve.detokenizer import IncrementalDetokenizer
@@ -76,6 +77,9 @@ class EngineConfig:
     seed: int | None = None
     # speculative decoding with a draft (LLMEngine's `draft`): tokens drafted per sequence and step
     num_speculative_tokens: int = 0
+    # every token computed with the same arithmetic whatever the batch, chunking or speculation
+    # (k3.ops.batch_invariant; CPU only, slower): outputs reproducible bit for bit
+    batch_invariant: bool = False
 
 
 MAX_SPECULATIVE_TOKENS = 16
@@ -108,6 +112,10 @@ class LLMEngine:
                              if draft is None or k else "a draft was given but num_speculative_tokens is 0")
         if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+        if config.batch_invariant:
+            check_device(next(model.parameters()).device)
+            if config.compile:  # compiled kernels bypass the op-level mode
+                raise ValueError("batch_invariant and compile exclude each other")
         if config.compile:
             compile_regions(model, backend=config.compile)
         dtype = next(model.parameters()).dtype
@@ -174,7 +182,8 @@ class LLMEngine:
             out = self.scheduler.schedule()
             params = {r.request_id: self.scheduler.requests[r.request_id].sampling for r in out.requests}
         try:
-            result = self.runner.execute(out, params)
+            with batch_invariant(self.config.batch_invariant):
+                result = self.runner.execute(out, params)
         except Exception as e:  # fail this step's requests only; the scheduler state stays consistent
             with self._lock:
                 failed = []

@@ -131,3 +131,27 @@ def test_run_id_ignores_settings_at_their_default(tmp_path):
     stale.mkdir(parents=True)
     (stale / "run.json").write_text(json.dumps(old))
     assert adopt_runs(tmp_path) == 1 and (tmp_path / "runs" / run_id(s) / "run.json").is_file()
+
+
+def test_lr_sweep_grows_past_an_edge_until_the_best_is_inside(tmp_path):
+    """A best rate on the grid's edge is not tuned: the grid doubles past it (bounded), and the
+    seeds wait until the sweep is done. The runs' scores are written by hand (no training)."""
+    scale = dataclasses.replace(get_scale("cpu", quick=True), lr_grid=(2e-3, 4e-3, 8e-3))
+    sp = make_plans([get_study("optimizer")], scale, [0, 1])[0]
+    p = sp.variants[0]
+    best = 3.2e-2  # the score falls until 3.2e-2, then rises
+
+    def finish(lr):
+        d = tmp_path / "runs" / sp.job(p, 0, lr).run_id
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "measures.json").write_text(json.dumps({"val_bpb": abs(lr - best)}))
+
+    for _ in range(4):  # 3 points, then 3 extensions
+        grid, done = sp.sweep_grid(tmp_path, p)
+        assert not done and sp.tuned_lr(tmp_path, p) is None
+        for lr in grid:
+            finish(lr)
+    grid, done = sp.sweep_grid(tmp_path, p)
+    assert done and grid == pytest.approx([2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2])
+    assert sp.tuned_lr(tmp_path, p) == pytest.approx(best)
+    assert all(job.settings.lr == pytest.approx(best) for q, _, job in sp.main_jobs(tmp_path) if q is p)

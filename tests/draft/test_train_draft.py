@@ -88,6 +88,8 @@ def test_a_draft_for_another_model_is_refused(run_dir, tmp_path):
     (["--num-speculative-tokens", "3"], "needs --draft"),
     (["--draft", "X", "--num-speculative-tokens", "0"], "must be in [1, 16]"),
     (["--draft", "X", "--num-speculative-tokens", "17"], "must be in [1, 16]"),
+    (["--batch-invariant", "--device", "cuda"], "CPU-only"),
+    (["--batch-invariant", "--compile"], "exclude each other"),
 ])
 def test_serve_refuses_bad_speculation_settings_in_one_line(run_dir, argv, message, capsys):
     p = argparse.ArgumentParser()

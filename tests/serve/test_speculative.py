@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
@@ -62,11 +62,11 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = MAX_TOKEN
     return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-def small_engine(model, draft, k, *, prefix_caching, states, budget):
+def small_engine(model, draft, k, *, prefix_caching, states, budget, batch_invariant=False):
     """A pool with the private states of `states` sequences and latent pages for one longest
     sequence and a few more: running sequences soon outgrow it, forcing preemptions."""
     cfg = EngineConfig(block_size=4, hash_block_size=8, max_num_seqs=4, max_num_batched_tokens=budget,
-                       enable_prefix_caching=prefix_caching, num_speculative_tokens=k)
+                       enable_prefix_caching=prefix_caching, num_speculative_tokens=k, batch_invariant=batch_invariant)
     probe = LLMEngine(model, cfg, draft=draft)
     layout = probe.layout
     pages = max(states, 2) * layout.pages_per_state + layout.mla_pages_for(40 + MAX_TOKENS) + states
@@ -74,20 +74,29 @@ def small_engine(model, draft, k, *, prefix_caching, states, budget):
     return LLMEngine(model, cfg, draft=draft)
 
 
-# derandomized: a found example where a near-tied MoE route flips between the verify forward and a
-# plain decode step (docs/LOG.md, "Speculative decoding") must not make CI fail at random
-@settings(max_examples=8, deadline=None, derandomize=True, database=None,
+def plain_engine(model, *, prefix_caching, budget):
+    return LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, max_num_seqs=4, max_num_batched_tokens=budget,
+                                         enable_prefix_caching=prefix_caching, batch_invariant=True))
+
+
+# Both engines compute with batch-invariant arithmetic (k3.ops.batch_invariant): without it the
+# verify forward and a plain decode step land a few ulp apart, and a near-tied MoE route can turn
+# that into another token (docs/LOG.md, "Speculative decoding"); the examples are such a case.
+@settings(max_examples=6, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5), k=st.integers(1, 6),
        prefix_caching=st.booleans(), states=st.integers(2, 5), budget=st.integers(8, 64), seed=st.integers(0, 99))
+@example(lengths=[1, 1], k=1, prefix_caching=False, states=2, budget=8, seed=8)
+@example(lengths=[1, 1], k=6, prefix_caching=True, states=2, budget=8, seed=8)
 def test_greedy_with_speculation_equals_without(model, draft, lengths, k, prefix_caching, states, budget, seed):
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(6, VOCAB, (40,), generator=g).tolist()
     # every other prompt shares a prefix with the first: prefix-cache hits on the second pass
     prompts = [(base[:n] if i % 2 else torch.randint(6, VOCAB, (n,), generator=g).tolist()) for i, n in enumerate(lengths)]
-    expected = generate(model, prompts, MAX_TOKENS)
+    expected = run(plain_engine(model, prefix_caching=prefix_caching, budget=budget), prompts)
     reference = {tuple(p): e for p, e in zip(prompts, expected)}
-    engine = small_engine(model, draft, k, prefix_caching=prefix_caching, states=states, budget=budget)
+    engine = small_engine(model, draft, k, prefix_caching=prefix_caching, states=states, budget=budget,
+                          batch_invariant=True)
     engine.runner.speculator.propose = oracle(engine, reference, seed)
     assert run(engine, prompts) == expected
     assert run(engine, prompts) == expected  # again: now with hits where caching is on
@@ -234,6 +243,8 @@ def test_pool_accounts_for_draft_states_and_replay_inputs(model, draft):
 def test_bad_settings_are_refused(model, draft, k, draft_given, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         LLMEngine(model, EngineConfig(num_speculative_tokens=k), draft=draft if draft_given else None)
+    with pytest.raises(ValueError, match="exclude each other"):
+        LLMEngine(model, EngineConfig(batch_invariant=True, compile="inductor"))
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from k3.ops import fla_kernels
+from k3.ops import batch_invariant, fla_kernels
 from k3.ops.kda import fla_backend
 from k3.ops.kda.chunk import kda_chunk
 from k3.ops.kda.decode_rows import kda_split_decode_rows
@@ -74,6 +74,7 @@ def kda(
                          "initial_state to write into")
     if impl == "auto":
         impl = _auto_impl(q, v, cu_seqlens)
+    sequential = sequential or batch_invariant.enabled()  # every token as a decode step computes it
     if sequential and impl == "chunk":
         impl = "recurrent"
         if not torch.compiler.is_compiling():  # logging inside a traced region would break the graph
