@@ -115,8 +115,8 @@ def markdown(res: dict) -> str:
     sweeps = [v for v in res["variants"] if v["lr_sweep"]]
     if sweeps:
         grid = sorted({lr for v in sweeps for lr in v["lr_sweep"]}, key=float)
-        lines += ["", f"Learning-rate sweep (seed {res['seeds'][0]}, final val bpb; the lowest is used for every seed; "
-                  "a grid is extended past an edge while its best rate sits there):", "",
+        lines += ["", (f"Learning-rate sweep (seed {res['seeds'][0]}, final val bpb; the lowest is used for every seed; "
+                       "a grid is extended past an edge while its best rate sits there):"), "",
                   "| variant | " + " | ".join(f"lr {lr}" for lr in grid) + " |", "|---|" + "---|" * len(grid)]
         for v in sweeps:
             cells = ["–" if lr not in v["lr_sweep"] else "pending" if v["lr_sweep"][lr] is None

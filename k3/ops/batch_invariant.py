@@ -150,4 +150,4 @@ def batch_invariant(on: bool = True):
         _active.reset(token)
 
 
-__all__ = ["batch_invariant", "enabled", "check_device", "MIN_ROWS", "MIN_KEYS"]
+__all__ = ["MIN_KEYS", "MIN_ROWS", "batch_invariant", "check_device", "enabled"]
