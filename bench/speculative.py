@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each engine, interleaved (median)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch-invariant", action="store_true", help="both engines in batch-invariant mode (CPU)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     run = Path(args.run)
@@ -73,7 +74,8 @@ def main() -> None:
             engines = {}
             for label, k in (("plain", 0), ("spec", args.k)):
                 cfg = EngineConfig(max_num_seqs=max(batch, 8), max_model_len=args.prompt_len + args.new_tokens + 8,
-                                   num_speculative_tokens=k, cache_bytes=256 << 20)
+                                   num_speculative_tokens=k, cache_bytes=256 << 20,
+                                   batch_invariant=args.batch_invariant)
                 engines[label] = LLMEngine(model, cfg, draft=draft if k else None)
                 timed(engines[label], prompts_all[:batch], params)  # warm-up
             engines["spec"].runner.spec_counts.clear()
