@@ -4,16 +4,22 @@ from __future__ import annotations
 import json
 
 from k3.config import load_config
-from k3.model.params import count_parameters
+from k3.model.multimodal import vision_config_of
+from k3.model.params import count_parameters, count_vision_parameters
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", default="k3", help="preset name (k3, k3-tiny, k3-1b) or config.json path/dir")
-    parser.add_argument("--json", action="store_true", help="print JSON (keys: total, active, components)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON (keys: total, active, components; vision when the config has a vision_config)")
 
 
 def run(args) -> int:
-    counts = count_parameters(load_config(args.config))
+    config = load_config(args.config)
+    counts = count_parameters(config)
+    vision_config = vision_config_of(config)
+    if vision_config is not None:  # a multimodal config.json: the encoder is counted apart (SPEC §7, §10)
+        counts["vision"] = count_vision_parameters(vision_config)
     if args.json:
         print(json.dumps(counts, indent=2))
         return 0
@@ -31,6 +37,18 @@ def run(args) -> int:
     console = Console()
     console.print(table)
     console.print(f"convention: {counts['convention']}")
+    if "vision" in counts:
+        vision = counts["vision"]
+        vt = Table(title="vision encoder (vision_config; not in the text total)")
+        vt.add_column("component")
+        vt.add_column("parameters", justify="right")
+        vt.add_column("", justify="right")
+        vt.add_row("vision_tower (MoonViT)", f"{vision['vision_tower']:,}", _human(vision["vision_tower"]))
+        vt.add_row("mm_projector", f"{vision['mm_projector']:,}", _human(vision["mm_projector"]))
+        vt.add_row("[bold]vision total[/bold]", f"[bold]{vision['total']:,}[/bold]", _human(vision["total"]))
+        both = counts["total"] + vision["total"]
+        vt.add_row("[bold]text + vision[/bold]", f"[bold]{both:,}[/bold]", _human(both))
+        console.print(vt)
     return 0
 
 

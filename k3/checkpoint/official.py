@@ -181,29 +181,46 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
     tensors are an error naming them. fp32-by-SPEC tensors stay fp32 whatever `dtype` asks.
     `model_class` (default `k3.K3ForCausalLM`, k3/checkpoint/pretrained.py) is the class built;
     `K3ForCausalLM.from_pretrained` is this function."""
-    from k3.checkpoint.packed import is_packed_checkpoint, read_packed
     from k3.checkpoint.pretrained import K3ForCausalLM
 
     model_class = model_class or K3ForCausalLM
+    config, tensors = read_checkpoint(directory, dtype=dtype, config=config)
+    tensors = official_to_state_dict(config, tensors)
+    with torch.device("meta"):
+        model = model_class(config)
+    assign_checkpoint(model, tensors, directory, device=device, dtype=dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def read_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
+                    config: K3Config | None = None) -> tuple[K3Config, dict[str, torch.Tensor]]:
+    """The text config (`config` if given, else config.json's) and every tensor of an HF-layout
+    directory under its file name, MXFP4-packed experts dequantized (to `dtype` if given)."""
+    from k3.checkpoint.packed import is_packed_checkpoint, read_packed
+
     directory = Path(directory)
     try:
         if is_packed_checkpoint(directory):
             packed_config, tensors = read_packed(directory, dtype=dtype)
-            config = config or packed_config
-        else:
-            if config is None:
-                if not (directory / "config.json").is_file():
-                    raise FileNotFoundError(f"no config.json in {directory}")
-                try:
-                    config = K3Config.from_dict(read_json(directory / "config.json"))
-                except (KeyError, TypeError) as e:
-                    raise CheckpointError(f"{directory / 'config.json'} is not a model config ({e})") from None
-            tensors = read_safetensors(directory)
+            return config or packed_config, tensors
+        if config is None:
+            if not (directory / "config.json").is_file():
+                raise FileNotFoundError(f"no config.json in {directory}")
+            try:
+                config = K3Config.from_dict(read_json(directory / "config.json"))
+            except (KeyError, TypeError) as e:
+                raise CheckpointError(f"{directory / 'config.json'} is not a model config ({e})") from None
+        return config, read_safetensors(directory)
     except ConfigError as e:  # malformed or self-contradicting fields: the message names them
         raise ConfigError(f"{directory / 'config.json'}: {e}") from None
-    tensors = official_to_state_dict(config, tensors)
-    with torch.device("meta"):
-        model = model_class(config)
+
+
+def assign_checkpoint(model, tensors: dict[str, torch.Tensor], directory: str | Path, *, device=None,
+                      dtype: torch.dtype | None = None) -> None:
+    """Fill a meta-built `model` with `tensors` (its own state-dict names): every name present and
+    no other, shapes equal; fp32-by-SPEC tensors stay fp32 whatever `dtype` asks."""
     expected = set(model.state_dict().keys())
     fp32 = fp32_tensor_names(model)
     missing, unexpected = expected - set(tensors), set(tensors) - expected
@@ -219,6 +236,3 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
         target = torch.float32 if name in fp32 else (t.dtype if dtype is None else dtype)
         state[name] = t.to(device=device, dtype=target)
     model.load_state_dict(state, assign=True, strict=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model

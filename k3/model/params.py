@@ -5,6 +5,8 @@ Convention (stated, and printed by the tool):
 - active  = total - the routed experts a token does not use ((E - k) / E of each MoE layer's
             routed experts) - the input embedding table (a lookup, not a matmul); lm_head counts.
 The model is built on the meta device, so the official 2.78T config counts in seconds.
+A config with a `vision_config` (the published multimodal one) also counts the vision encoder, tower
+and projector apart (SPEC §7), outside the text total.
 """
 from __future__ import annotations
 
@@ -67,3 +69,15 @@ def count_parameters(config: K3Config) -> dict:
         "convention": "total: all text-model tensors unquantized; active: total minus unselected routed "
                       "experts ((E-k)/E per MoE layer) minus the input embedding (lm_head counted)",
     }
+
+
+def count_vision_parameters(vision_config) -> dict:
+    """Parameters of the vision encoder (k3/model/vision/): the MoonViT tower, the mm projector and
+    their sum (no buffer counts: the temporal table is computed, not trained)."""
+    from k3.model.vision import VisionModel
+
+    with torch.device("meta"):
+        model = VisionModel(vision_config)
+    tower = sum(p.numel() for p in model.vision_tower.parameters())
+    projector = sum(p.numel() for p in model.mm_projector.parameters())
+    return {"vision_tower": tower, "mm_projector": projector, "total": tower + projector}

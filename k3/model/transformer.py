@@ -82,13 +82,14 @@ class K3Model(nn.Module):
                                                                                      config.rms_norm_eps)
             self.attn_res_read = attn_res_read
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens=None, cache: K3Cache | None = None,
-                depth_taps: list | None = None) -> torch.Tensor:
-        """[B, T] -> final hidden states [B, T, D] (after the last norm). `depth_taps`, a list:
+    def forward(self, input_ids: torch.Tensor | None, cu_seqlens=None, cache: K3Cache | None = None,
+                depth_taps: list | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] (or `inputs_embeds` [B, T, D] in its place) -> final hidden states [B, T, D] (after
+        the last norm). `depth_taps`, a list:
         filled with the representations along depth [B, T, D] (fp32): the AttnRes sources (the
         embedding, then each finished block) and the last block's sum, or without AttnRes the
         residual stream after each layer (what a speculative draft reads, SPEC §12.5)."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         states = cache.layers if cache is not None else [None] * len(self.layers)
         blocks: list[BlockSource] | None = None if self.config.attn_res_block_size is None else []
         for layer, state in zip(self.layers, states):
@@ -131,10 +132,14 @@ class K3ForCausalLM(nn.Module):
             if isinstance(module, (KimiDeltaAttention, StableLatentMoE)):
                 module.reset_parameters()
 
-    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
                 cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
-                logits_to_keep: torch.Tensor | None = None, hidden_out: list | None = None) -> torch.Tensor:
+                logits_to_keep: torch.Tensor | None = None, hidden_out: list | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] in fp32.
+
+        inputs_embeds [B, T, D], instead of input_ids: the embedded tokens as they enter layer 0 (the
+        multimodal model's image rows in place of placeholders, k3/model/multimodal.py; SPEC §7).
 
         cu_seqlens [N+1] (B == 1): packed documents. cache: N sequences continued in place
         (N = B, or len(cu_seqlens) - 1). attention_mask [B, T] (1 = token): padded rows; pad
@@ -143,25 +148,31 @@ class K3ForCausalLM(nn.Module):
         sequence, and a [T, V] fp32 prefill logit tensor is the largest thing it would write.
         hidden_out (a list; packed or uniform rows): gets the final hidden states [B, T, D] of every
         position, then the depth taps of `K3Model.forward` (a speculative draft's inputs)."""
-        if input_ids.dim() != 2:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [batch, tokens] and inputs_embeds [batch, tokens, hidden]")
+        if input_ids is not None and input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size):
+            raise ValueError(f"inputs_embeds must be [batch, tokens, {self.config.hidden_size}], "
+                             f"got shape {tuple(inputs_embeds.shape)}")
+        tokens = input_ids if inputs_embeds is None else inputs_embeds  # [B, T] or [B, T, D]
         if attention_mask is not None:
             if cu_seqlens is not None:
                 raise ValueError("pass either attention_mask (padded rows) or cu_seqlens (packed rows), not both")
             if logits_to_keep is not None or hidden_out is not None:
                 raise ValueError("logits_to_keep and hidden_out are for packed or uniform rows, not padded ones")
-            return self._forward_padded(input_ids, attention_mask, cache)
-        if cu_seqlens is not None and input_ids.shape[0] != 1:
-            raise ValueError(f"cu_seqlens needs a single packed row, got batch {input_ids.shape[0]}")
-        num_seqs = input_ids.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+            return self._forward_padded(tokens, attention_mask, cache)
+        if cu_seqlens is not None and tokens.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs a single packed row, got batch {tokens.shape[0]}")
+        num_seqs = tokens.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         if cache is not None and cache.num_seqs != num_seqs:
             raise ValueError(f"cache holds {cache.num_seqs} sequences, the batch has {num_seqs}")
         if cache is not None:
             new_tokens = (cu_seqlens.diff().cpu() if cu_seqlens is not None
-                          else torch.full((num_seqs,), input_ids.shape[1], dtype=torch.long))
+                          else torch.full((num_seqs,), tokens.shape[1], dtype=torch.long))
             cache.reserve(new_tokens)
         taps = None if hidden_out is None else []
-        hidden = self.model(input_ids, cu_seqlens, cache, taps)
+        hidden = self.model(input_ids, cu_seqlens, cache, taps, inputs_embeds)
         if hidden_out is not None:
             hidden_out += [hidden] + taps
         if logits_to_keep is not None:
@@ -171,14 +182,16 @@ class K3ForCausalLM(nn.Module):
             cache.lengths += new_tokens
         return logits
 
-    def _forward_padded(self, input_ids, attention_mask, cache):
+    def _forward_padded(self, tokens, attention_mask, cache):
+        """tokens: input_ids [B, T] or inputs_embeds [B, T, D] (floating point)."""
         keep = attention_mask.bool()
         lengths = keep.sum(1)
         if (lengths == 0).any():
             raise ValueError("every row of attention_mask needs at least one real token")
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.long, device=input_ids.device)
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.long, device=tokens.device)
         cu[1:] = lengths.cumsum(0)
-        packed = self.forward(input_ids[keep][None], cu_seqlens=cu, cache=cache)[0]
-        logits = packed.new_zeros(*input_ids.shape, packed.shape[-1])
+        rows = {"inputs_embeds" if tokens.is_floating_point() else "input_ids": tokens[keep][None]}
+        packed = self.forward(**rows, cu_seqlens=cu, cache=cache)[0]
+        logits = packed.new_zeros(*keep.shape, packed.shape[-1])
         logits[keep] = packed
         return logits
