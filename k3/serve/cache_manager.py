@@ -58,7 +58,7 @@ class CacheManager:
 
     # ------------------------------------------------------------------ admission
     def lookup(self, request: Request) -> LookupResult:
-        tokens = request.all_token_ids
+        tokens = request.hash_token_ids
         limit = len(tokens) - 1  # keep one token to compute: its logits pick the next token
         if not self.enable_prefix_caching:
             return LookupResult(0, [], None, 0, "disabled")
@@ -137,7 +137,7 @@ class CacheManager:
     def commit(self, request: Request) -> None:
         """The step ran: cache the newly completed hash blocks and any checkpoint, drop pins."""
         pages = self.requests[request.request_id]
-        tokens = request.all_token_ids
+        tokens = request.hash_token_ids
         computed = request.num_computed_tokens
         H = self.prefix.hash_block_size
         if self.enable_prefix_caching:

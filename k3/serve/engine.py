@@ -31,14 +31,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+import torch
 from tokenizers import Tokenizer
 
+from k3.model.multimodal import placeholder_count
 from k3.ops.batch_invariant import batch_invariant, check_device
 from k3.regional_compile import compile_regions
 from k3.serve.cache_manager import CacheManager
 from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.page_layout import PageLayout
-from k3.serve.request import Request, RequestStatus
+from k3.serve.request import MediaSpan, Request, RequestStatus
 from k3.serve.runner import ModelRunner
 from k3.serve.sampling import SampledToken, SamplingParams
 from k3.serve.scheduler import Scheduler
@@ -86,6 +88,16 @@ MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
+class ImageInput:
+    """One image of a prompt, processed (k3.data.image_processor): its patches and grid, where its
+    placeholder run starts in the prompt, and a hash of its pixels (the prefix-cache key)."""
+    offset: int
+    pixel_values: torch.Tensor  # [L, 3, P, P]
+    grid_thw: tuple[int, int, int]
+    digest: bytes
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     new_tokens: list[SampledToken]
@@ -101,10 +113,17 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, draft=None):
-        """`draft`: an `EagleDraft` for the model (k3.checkpoint.draft_folder.load_draft checks
-        that it is): with config.num_speculative_tokens >= 1 every decoding sequence drafts that
-        many tokens per step and the model verifies them (k3.serve.speculator)."""
+        """`model`: a K3ForCausalLM, or a K3ForConditionalGeneration whose prompts may hold images
+        (`add_request(images=...)`; the engine runs its language model and the runner its vision
+        encoder). `draft`: an `EagleDraft` for the model (k3.checkpoint.draft_folder.load_draft
+        checks that it is): with config.num_speculative_tokens >= 1 every decoding sequence drafts
+        that many tokens per step and the model verifies them (k3.serve.speculator)."""
         self.config = config = config or EngineConfig()
+        self.vision = model.eval() if hasattr(model, "language_model") else None
+        if self.vision is not None:
+            if draft is not None:
+                raise ValueError("speculative decoding is for text models; this one has a vision tower")
+            model = model.language_model
         self.model = model.eval()
         k = config.num_speculative_tokens
         if (draft is None) != (k == 0):
@@ -133,7 +152,7 @@ class LLMEngine:
                                    max_model_len=min(config.max_model_len, model.config.max_position_embeddings),
                                    max_waiting=config.max_waiting, num_speculative_tokens=k)
         self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs,
-                                  speculator=speculator)
+                                  speculator=speculator, vision=self.vision)
         self.eos_token_id = model.config.eos_token_id
         self._lock = threading.Lock()
         # a deque, appended without the lock: abort() may run from a finalizer (gc) on any thread,
@@ -152,17 +171,48 @@ class LLMEngine:
         return self.scheduler.max_model_len
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                    boundaries: tuple[int, ...] = (), eos_token_id: int | None = None) -> Request:
-        """Queue a request; raises ValueError (bad input) or QueueFullError."""
+                    boundaries: tuple[int, ...] = (), eos_token_id: int | None = None,
+                    images: list[ImageInput] = ()) -> Request:
+        """Queue a request; raises ValueError (bad input) or QueueFullError. `images`: the
+        prompt's images, each over its run of placeholder ids (a vision model only)."""
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        spans = self._media_spans(prompt_token_ids, images)
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
                           eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
-                          boundaries=tuple(boundaries))
+                          boundaries=tuple(boundaries), media=spans)
         with self._lock:
-            self.scheduler.add_request(request)
+            if images:
+                self.runner.add_media(request.request_id, spans, torch.cat([i.pixel_values for i in images]),
+                                      torch.tensor([i.grid_thw for i in images]))
+            try:
+                self.scheduler.add_request(request)
+            except BaseException:
+                self.runner.forget(request.request_id)
+                raise
         return request
+
+    def _media_spans(self, prompt: list[int], images: list[ImageInput]) -> tuple[MediaSpan, ...]:
+        """Each image's placeholder run, checked against the prompt (one placeholder per merged row)."""
+        if self.vision is None:
+            if images:
+                raise ValueError("this model takes no images (it has no vision tower)")
+            return ()
+        token = self.vision.config.media_placeholder_token_id
+        kernel = tuple(self.vision.config.vision_config.merge_kernel_size)
+        spans = []
+        for n, image in enumerate(images):
+            length = placeholder_count(image.grid_thw, kernel)
+            run = prompt[image.offset:image.offset + length]
+            if len(run) != length or any(t != token for t in run):
+                raise ValueError(f"image {n} needs {length} placeholder tokens (id {token}) at prompt position "
+                                 f"{image.offset}")
+            spans.append(MediaSpan(image.offset, length, image.digest))
+        if prompt.count(token) != sum(s.length for s in spans):
+            raise ValueError(f"the prompt has {prompt.count(token)} image placeholder tokens, its images fill "
+                             f"{sum(s.length for s in spans)}")
+        return tuple(spans)
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self._aborts.append((request_id, status))
@@ -317,7 +367,7 @@ class AsyncEngine:
             self._wake.set()
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                 boundaries: tuple[int, ...] = (), eos_token_id: int | None = None,
+                 boundaries: tuple[int, ...] = (), eos_token_id: int | None = None, images: list[ImageInput] = (),
                  skip_special_tokens: bool = True,
                  on_finish: Callable[[str], None] | None = None) -> "RequestStream":
         """Add a request NOW (raising ValueError / QueueFullError / EngineError before anything is
@@ -333,7 +383,7 @@ class AsyncEngine:
         self._queues[rid] = (asyncio.get_running_loop(), queue)  # before the engine can emit anything
         try:
             self.engine.add_request(prompt_token_ids, params, request_id=rid, boundaries=boundaries,
-                                    eos_token_id=eos_token_id)
+                                    eos_token_id=eos_token_id, images=images)
         except BaseException:
             del self._queues[rid]
             raise

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from k3.checkpoint.multimodal import load_pretrained_multimodal
 from k3.checkpoint.official import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.text.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -35,6 +37,23 @@ def tokenizer_path(folder: Path, tokenizer: str | None) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {folder}; pass --tokenizer PATH")
     return path / TOKENIZER_FILE if path.is_dir() else path
+
+
+def _has_vision(folder: Path) -> bool:
+    """A multimodal checkpoint (vision_tower.* tensors beside a `vision_config`): served with its
+    vision tower. The published config has a `vision_config` for text-only exports too."""
+    try:
+        if "vision_config" not in json.loads((folder / "config.json").read_text()):
+            return False
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            names = json.loads(index.read_text())["weight_map"]
+        else:
+            with safe_open(folder / "model.safetensors", "pt") as f:
+                names = list(f.keys())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # the loader reports the missing or broken file
+    return any(name.startswith("vision_tower.") for name in names)
 
 
 def is_chat_tuned(tokenizer_file: Path) -> bool:
@@ -64,9 +83,11 @@ def load_for_serving(run: str | None = None, model: str | None = None, tokenizer
         raise
     except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
         raise ValueError(f"{tok_path} is not a readable tokenizer file ({e})") from None
-    net = load_pretrained(folder, device=torch.device(device), dtype=DTYPES[dtype]).eval()
-    if tok.get_vocab_size() > net.config.vocab_size:
-        raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids, the model only {net.config.vocab_size}")
+    load = load_pretrained_multimodal if _has_vision(folder) else load_pretrained
+    net = load(folder, device=torch.device(device), dtype=DTYPES[dtype]).eval()
+    vocab = (net.language_model if hasattr(net, "language_model") else net).config.vocab_size
+    if tok.get_vocab_size() > vocab:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids, the model only {vocab}")
     name = Path(run or model).name  # a run folder's name, or the checkpoint folder's
     log.info("serving %s (%s) from %s", name, dtype, folder)
     return Served(net, tok, name, is_chat_tuned(tok_path))

@@ -26,6 +26,20 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
+@dataclass(frozen=True)
+class MediaSpan:
+    """An image's placeholder run in a prompt: its pixels enter the model there (SPEC §7)."""
+    offset: int  # prompt position of the first placeholder
+    length: int  # placeholders: the image's merged rows
+    digest: bytes  # a hash of the image's pixels
+
+    def hash_ids(self) -> list[int]:
+        """Stand-ins for the placeholders in prefix-cache keys: negative (no token id is), one per
+        position, derived from the pixels, so two images never share a key and the same one does."""
+        base = int.from_bytes(self.digest[:8], "little") >> 1
+        return [-1 - (base ^ j) for j in range(self.length)]
+
+
 @dataclass
 class Request:
     request_id: str
@@ -45,14 +59,32 @@ class Request:
     # sampling.prompt_logprobs requests: entry k scores prompt token k + 1 (from position k's logits);
     # kept across a preemption, so a recompute scores only the positions not scored yet
     prompt_logprobs: list[SampledToken] = field(default_factory=list)
+    media: tuple[MediaSpan, ...] = ()  # images, in prompt order
 
     def __post_init__(self):
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt has no tokens")
+        end = 0
+        for span in self.media:
+            if span.offset < end or span.length < 1 or span.offset + span.length > len(self.prompt_token_ids):
+                raise ValueError(f"request {self.request_id}: image placeholder runs must be ordered, disjoint "
+                                 "and inside the prompt")
+            end = span.offset + span.length
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def hash_token_ids(self) -> list[int]:
+        """What the prefix cache keys on: the token ids, with each image's placeholders replaced by
+        stand-ins derived from its pixels (the ids alone are the same for every image of a size)."""
+        if not self.media:
+            return self.all_token_ids
+        ids = self.all_token_ids
+        for span in self.media:
+            ids[span.offset:span.offset + span.length] = span.hash_ids()
+        return ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -59,10 +59,29 @@ class StepResult:
 STEP_KINDS = ("packed", "decode_eager", "decode_graph_capture", "decode_graph_replay", "speculative")
 
 
+@dataclass
+class _RequestMedia:
+    spans: tuple  # MediaSpan per image
+    pixel_values: torch.Tensor
+    grid_thws: torch.Tensor
+    _rows: list[torch.Tensor] | None = None
+
+    def rows(self, vision, device) -> list[torch.Tensor]:
+        """Each image's rows [length, D], encoded on first use."""
+        if self._rows is None:
+            features = vision.image_features(self.pixel_values.to(device), self.grid_thws.to(device))
+            self._rows = list(features.split([s.length for s in self.spans]))
+        return self._rows
+
+
 class ModelRunner:
     def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
-                 cuda_graphs: bool = True, speculator: Speculator | None = None):
+                 cuda_graphs: bool = True, speculator: Speculator | None = None, vision=None):
         self.model = model
+        # a K3ForConditionalGeneration around `model`: it encodes the images of requests that have
+        # some (add_media), once per request, and their rows replace the placeholders' embeddings
+        self.vision = vision
+        self._media: dict[str, _RequestMedia] = {}
         # speculative decoding: every forward verifies drafts and gives the draft its representations
         # (on the decode slots when all requests decode, else packed); counts of drafted / accepted
         # tokens and verified sequences
@@ -90,10 +109,38 @@ class ModelRunner:
         self._kda_layers, self._mla_layers = self.slots.kda_layers, self.slots.mla_layers
 
     def forget(self, request_id: str) -> None:
-        """A request finished: drop its sampling generator and draft state."""
+        """A request finished: drop its sampling generator, draft state and images."""
         self.sampler.forget(request_id)
+        self._media.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.forget([request_id])
+
+    def add_media(self, request_id: str, spans, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> None:
+        """A request's images (k3.serve.request.MediaSpan per image, its packed patches and grids),
+        encoded when its first placeholder is computed and kept until it finishes (a preempted
+        request recomputes its prompt without encoding again)."""
+        self._media[request_id] = _RequestMedia(tuple(spans), pixel_values, grid_thws)
+
+    def _media_positions(self, requests: list[ScheduledRequest]) -> dict[int, list[tuple[int, torch.Tensor]]]:
+        """For each chunk with placeholders: (index in the chunk, the image row to put there)."""
+        out: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for n, r in enumerate(requests):
+            media = self._media.get(r.request_id)
+            if media is None:
+                continue
+            lo, hi = r.num_computed, r.num_computed + len(r.token_ids)
+            for span, rows in zip(media.spans, media.rows(self.vision, self.device)):
+                for p in range(max(lo, span.offset), min(hi, span.offset + span.length)):
+                    out.setdefault(n, []).append((p - lo, rows[p - span.offset]))
+        return out
+
+    def _embed(self, ids: torch.Tensor, starts: list[int], media: dict[int, list[tuple[int, torch.Tensor]]]):
+        """The packed step's input embeddings, image rows over their placeholders (SPEC §7)."""
+        embeds = self.model.model.embed_tokens(ids)
+        for n, rows in media.items():
+            index = torch.tensor([starts[n] + i for i, _ in rows], device=self.device)
+            embeds[index] = torch.stack([row for _, row in rows]).to(embeds.dtype)
+        return embeds
 
     # ------------------------------------------------------------------ page views
     def latent_pages(self) -> torch.Tensor:
@@ -271,10 +318,11 @@ class ModelRunner:
         ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
         chosen = [n for n, r in enumerate(requests) if r.sample]  # chunks that reach their last known token
         scoring = [n for n, r in enumerate(requests) if r.score_targets]  # chunks with prompt positions to score
+        media = self._media_positions(requests) if self._media else {}
         if self.speculator is not None and all(len(r.token_ids) == 1 and r.sample and not r.score_targets
                                                for r in requests):  # decoding only: on the slots
             return self._speculate_on_slots(requests, runs, proposals, params, plan, continuing)
-        if len(requests) == ids.numel() and self.speculator is None:  # [N, 1] on the slots: batched decode paths
+        if len(requests) == ids.numel() and self.speculator is None and not media:  # [N, 1]: batched decode paths
             logits, cache = self._decode(ids, requests, continuing)
             rows, score_rows = logits[chosen], logits[scoring]
             self._states_behind = requests
@@ -301,7 +349,8 @@ class ModelRunner:
                  for n in scoring for k in range(len(requests[n].score_targets))]
         cu = torch.tensor(starts, device=self.device)
         extra = {} if self.speculator is None else {"hidden_out": []}  # the draft reads the target's depth
-        kept_logits = self.model(ids[None], cu_seqlens=cu, cache=cache, **extra,
+        tokens = {"inputs_embeds": self._embed(ids, starts, media)[None]} if media else {"input_ids": ids[None]}
+        kept_logits = self.model(**tokens, cu_seqlens=cu, cache=cache, **extra,
                                  logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))[0]
         hidden_out = extra.get("hidden_out")
         sampled = {}

@@ -134,22 +134,39 @@ def _xtml_type(value) -> str:
     return "object" if isinstance(value, dict) else "array"
 
 
-def _content_text(content, where: str) -> str:
-    """A message's content: a string, None, or a list of text parts (concatenated). Every bad
-    message raises ValueError (the server answers 400 to one exception type)."""
+IMAGE_PARTS = ("image_url", "image")
+# the official encoder's stand-in for an image when it is given no image prompts (`render_text`)
+IMAGE_PLACEHOLDER_TEXT = "<|kimi_image_placeholder|>"
+
+
+def _content_items(content, where: str, images: bool) -> list[str | None]:
+    """A message's content as text runs and images (None, in order): a string, None, or a list
+    of text parts and, where `images`, image parts (the official encoder puts each image's prompt
+    where its part stands). Every bad message raises ValueError (the server answers 400 to one
+    exception type)."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
-        raise ValueError(f"{where}: content must be a string, null or a list of text parts")  # noqa: TRY004
-    parts = []
+        raise ValueError(f"{where}: content must be a string, null or a list of content parts")  # noqa: TRY004
+    items: list[str | None] = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{where}: only text content parts are supported, got {kind!r}")
-        parts.append(part["text"])
-    return "".join(parts)
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if isinstance(part, dict) and kind == "text" and isinstance(part.get("text"), str):
+            items.append(part["text"])
+        elif images and kind in IMAGE_PARTS:
+            items.append(None)
+        elif kind in IMAGE_PARTS:
+            raise ValueError(f"{where}: image content parts need a model with a vision tower")
+        else:
+            raise ValueError(f"{where}: unsupported content part {kind!r} (text{' or image_url' if images else ''})")
+    return items
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content as one string: text parts only (assistant replies, tool arguments)."""
+    return "".join(_content_items(content, where, images=False))
 
 
 def _call_arguments(arguments, where: str) -> tuple[dict, str | None]:
@@ -223,8 +240,12 @@ def _normalize(messages: list[dict]) -> list[dict]:
     return out
 
 
+MEDIA = "media"  # a part standing for one image's placeholder run
+
+
 class _Builder:
-    """The rendered conversation as parts: (marker name, "", train) or (None, text, train)."""
+    """The rendered conversation as parts: (marker name, "", train), (None, text, train) or
+    (MEDIA, "", train) for an image."""
 
     def __init__(self):
         self.parts: list[tuple[str | None, str, bool]] = []
@@ -238,6 +259,14 @@ class _Builder:
         if text:
             self.parts.append((None, text, self.train))
 
+    def body(self, items: list[str | None]) -> None:
+        """Content: text runs, and images (None) as media parts, each filled in by `render`."""
+        for item in items:
+            if item is None:
+                self.parts.append((MEDIA, "", self.train))
+            else:
+                self.text(item)
+
     def open(self, tag: str, attrs=()) -> None:
         self.marker("open")
         self.text(tag + "".join(f' {k}="{escape_attr(v)}"' for k, v in attrs))
@@ -248,10 +277,10 @@ class _Builder:
         self.text(tag)
         self.marker("sep")
 
-    def message(self, attrs, body: str) -> None:
+    def message(self, attrs, body: str | list[str | None]) -> None:
         self.starts.append(len(self.parts))
         self.open("message", attrs)
-        self.text(body)
+        self.body([body] if isinstance(body, str) else body)
         self.end_message()
 
     def end_message(self) -> None:
@@ -267,6 +296,7 @@ class Rendered:
     opened: str | None = None  # what the generation prompt left open: think / response / tools / call
     forced_tool: str | None = None  # the tool of the call element the prompt opened (named tool_choice)
     tools_offered: bool = False  # tools were declared (tool_choice "none" declares none)
+    media_offsets: tuple[int, ...] = ()  # token index of each image's placeholder run, in order
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -313,7 +343,7 @@ class XTML:
 
     # ---- rendering
 
-    def _build(self, messages, tools, reasoning_effort, thinking, add_generation_prompt, tool_choice):
+    def _build(self, messages, tools, reasoning_effort, thinking, add_generation_prompt, tool_choice, images=False):
         if reasoning_effort == "none":
             thinking, effort = False, None
         else:
@@ -348,7 +378,7 @@ class XTML:
                           NEW_TOOLS_TEXT.format(json_compact(_deep_sort(m["tools"]))))
             elif role in ("system", "user"):
                 attrs = [("role", role)] + ([("name", m["name"])] if m.get("name") else [])
-                b.message(attrs, _content_text(m.get("content"), where))
+                b.message(attrs, _content_items(m.get("content"), where, images))
             elif role == "tool":
                 tool_index += 1
                 name = m.get("tool") or m.get("name")
@@ -356,7 +386,8 @@ class XTML:
                     name = _call_function(calls[tool_index - 1], where)["name"]
                 if not name:
                     raise ValueError(f"{where}: a tool result needs a tool_call_id that matches a call")
-                b.message([("role", "tool"), ("tool", name), ("index", tool_index)], _content_text(m.get("content"), where))
+                b.message([("role", "tool"), ("tool", name), ("index", tool_index)],
+                          _content_items(m.get("content"), where, images))
             else:
                 calls, tool_index = m.get("tool_calls") or [], 0
                 self._assistant(b, m, thinking, where)
@@ -419,41 +450,57 @@ class XTML:
         b.train = False
 
     def render(self, messages: list[dict], *, tools: list[dict] | None = None, reasoning_effort: str | None = None,
-               thinking: bool = True, add_generation_prompt: bool = True, tool_choice=None) -> Rendered:
+               thinking: bool = True, add_generation_prompt: bool = True, tool_choice=None,
+               media: list[list[int]] | None = None) -> Rendered:
+        """`media`: the token ids of each image's prompt, in the order the image parts appear (the
+        official encoder's `image_prompts`; for k3, each image's run of placeholder ids); None: the
+        model takes no images and an image part is an error."""
         b, opened, forced, offered = self._build(messages, tools, reasoning_effort, thinking, add_generation_prompt,
-                                                 tool_choice)
+                                                 tool_choice, images=media is not None)
+        images = [p for p in b.parts if p[0] == MEDIA]
+        if media is not None and len(images) != len(media):
+            raise ValueError(f"the messages have {len(images)} image parts, {len(media)} images were given")
         runs: list[str] = []  # each text run between two markers, encoded in one batch
-        layout: list[tuple[int, bool, bool]] = []  # (marker id or run index, is_marker, train)
+        # (marker id, run index or image index, kind, train); kind: "marker" | "text" | MEDIA
+        layout: list[tuple[int, str, bool]] = []
         layout_of: list[int] = []  # each part's layout item
         for name, text, train in b.parts:
-            if name is not None:
-                layout.append((self.marker_ids[name], True, train))
-            elif layout and not layout[-1][1]:
+            if name == MEDIA:
+                layout.append((len([x for x in layout if x[1] == MEDIA]), MEDIA, train))
+            elif name is not None:
+                layout.append((self.marker_ids[name], "marker", train))
+            elif layout and layout[-1][1] == "text":
                 if layout[-1][2] != train:
                     raise AssertionError("the loss mask changes inside a text run")
                 runs[layout[-1][0]] += text
             else:
-                layout.append((len(runs), False, train))
+                layout.append((len(runs), "text", train))
                 runs.append(text)
             layout_of.append(len(layout) - 1)
         encoded = encode_texts(self.tokenizer, runs)
         ids: list[int] = []
         mask: list[bool] = []
         offset: list[int] = []  # token index of each layout item
-        for value, is_marker, train in layout:
+        media_offsets: list[int] = []
+        for value, kind, train in layout:
             offset.append(len(ids))
-            new = [value] if is_marker else encoded[value]
+            if kind == MEDIA:
+                media_offsets.append(len(ids))
+            new = [value] if kind == "marker" else encoded[value] if kind == "text" else list(media[value])
             ids += new
             mask += [train] * len(new)
         boundaries = tuple(offset[layout_of[s]] for s in b.starts if offset[layout_of[s]] > 0)
-        return Rendered(ids, boundaries, mask, opened, forced, offered)
+        return Rendered(ids, boundaries, mask, opened, forced, offered, tuple(media_offsets))
 
     def render_text(self, messages: list[dict], *, tools: list[dict] | None = None,
                     reasoning_effort: str | None = None, thinking: bool = True, add_generation_prompt: bool = True,
-                    tool_choice=None) -> str:
-        """The string form of `render` (markers as their literal text), for golden tests and logs."""
-        b, *_ = self._build(messages, tools, reasoning_effort, thinking, add_generation_prompt, tool_choice)
-        return "".join(SPECIAL_TOKENS[name] if name is not None else text for name, text, _ in b.parts)
+                    tool_choice=None, images: bool = False) -> str:
+        """The string form of `render` (markers as their literal text), for golden tests and logs;
+        with `images`, each image part as the official encoder's placeholder text."""
+        b, *_ = self._build(messages, tools, reasoning_effort, thinking, add_generation_prompt, tool_choice,
+                            images=images)
+        return "".join(IMAGE_PLACEHOLDER_TEXT if name == MEDIA else SPECIAL_TOKENS[name] if name is not None
+                       else text for name, text, _ in b.parts)
 
     # ---- parsing
 

@@ -192,7 +192,18 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
-Content = str | list[TextPart]
+class ImageURL(_Request):
+    url: str  # a data:image/png;base64,... or data:image/jpeg;base64,... URI (k3/serve/api/images.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor's budget decides
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Content = str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+TextContent = str | list[TextPart]  # what an assistant message may hold
 
 
 class SystemMessage(_Request):
@@ -209,7 +220,7 @@ class UserMessage(_Request):
 
 class AssistantMessage(_Request):
     role: Literal["assistant"]
-    content: Content | None = None
+    content: TextContent | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     reasoning: str | None = None

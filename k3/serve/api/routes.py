@@ -17,10 +17,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
+from k3.data.image_processor import ImageProcessor
+from k3.serve.api.images import prepare_images
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse
 from k3.serve.api.tool_calls import ToolCallChecker
-from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
+from k3.serve.engine import AsyncEngine, EngineError, ImageInput, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
 from k3.text.tokenizer import encode_text
@@ -35,6 +37,7 @@ class ServingContext:
     model_name: str
     metrics: Metrics
     created: int
+    images: ImageProcessor | None = None  # a vision model's processor; None: text only
 
 
 router = APIRouter()
@@ -334,18 +337,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     tool_choice = body.tool_choice if not hasattr(body.tool_choice, "model_dump") else body.tool_choice.model_dump()
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
     use_tools = bool(tools) and tool_choice != "none"
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
+        media, images = None, []
+        if ctx.images is not None:  # decoded off the event loop: a large image takes a while
+            prepared = await asyncio.to_thread(prepare_images, messages, ctx.images)
+            media = [[ctx.engine.engine.vision.config.media_placeholder_token_id] * n for n in prepared.counts]
         rendered = await asyncio.to_thread(
-            ctx.chat.render, [m.model_dump(exclude_none=True) for m in body.messages],
+            ctx.chat.render, messages,
             tools=tools if use_tools else None, reasoning_effort=body.reasoning_effort, thinking=body.thinking,
-            tool_choice=tool_choice if use_tools else None)
+            tool_choice=tool_choice if use_tools else None, media=media)
+        if ctx.images is not None:
+            images = [ImageInput(offset, pv, grid, digest) for offset, pv, grid, digest in zip(
+                rendered.media_offsets, prepared.pixel_values, prepared.grid_thws, prepared.digests)]
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(ctx, body, len(rendered.token_ids), body.max_new_tokens, top, [ctx.chat.eos])
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     handle = _submit(ctx, rendered.token_ids, params, rid, boundaries=rendered.boundaries,
-                     eos_token_id=ctx.chat.end_of_msg)
+                     eos_token_id=ctx.chat.end_of_msg, images=images)
     stream = _timed(ctx, handle, t0)
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
 

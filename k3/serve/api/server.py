@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
+from k3.data.image_processor import ImageProcessor
 from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES, RequestGate
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError
@@ -49,7 +50,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
     except ValueError as e:  # e.g. a Kimi Linear tokenizer: completions only
         log.warning("chat endpoint disabled: %s", e)
         chat = None
-    app.state.ctx = ServingContext(engine, tokenizer, chat, model_name, Metrics(engine.engine), int(time.time()))
+    vision = engine.engine.vision
+    images = None if vision is None else ImageProcessor.from_vision_config(vision.config.vision_config)
+    app.state.ctx = ServingContext(engine, tokenizer, chat, model_name, Metrics(engine.engine), int(time.time()),
+                                   images)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):

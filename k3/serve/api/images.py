@@ -1,0 +1,116 @@
+"""Images in chat requests: OpenAI `image_url` content parts with `data:` URIs, decoded, checked
+and processed into what the engine takes (k3.serve.engine.ImageInput). Every bad image is a
+400 with a message naming what is wrong; nothing is fetched from the network.
+
+The prefix cache keys an image by a hash of its decoded pixels (mode, size and bytes), not of the
+request text: the same picture sent as PNG or as another PNG encoding hits, two different
+pictures of the same size never share pages (k3.serve.request.MediaSpan)."""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+
+from PIL import Image
+
+from k3.data.image_processor import ImageProcessor
+
+# data: URI media types we decode, with the format the bytes must then be
+FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
+MAX_IMAGE_BYTES = 16 << 20  # a decoded file; the request-size gate bounds the base64 text as well
+MAX_IMAGES = 16  # per request
+
+
+class ImageError(ValueError):
+    """A bad image in a request (the server answers 400)."""
+
+
+@dataclass
+class DecodedImage:
+    image: Image.Image
+    digest: bytes  # BLAKE2b-128 of mode, size and pixels
+
+
+def decode_image_url(url: str, where: str, *, max_pixels: int) -> DecodedImage:
+    """A `data:image/png;base64,...` (or jpeg) URI -> the decoded image and its pixel hash."""
+    if not isinstance(url, str) or not url:
+        raise ImageError(f"{where}: image_url.url must be a non-empty string")
+    if not url.startswith("data:"):
+        remote = url.split(":", 1)[0].lower() in ("http", "https", "ftp", "file")
+        raise ImageError(f"{where}: {'remote image URLs are not fetched (fetching is off)' if remote else 'unsupported image URL'};"
+                         " send the image inline as a data:image/png;base64,... or data:image/jpeg;base64,... URI")
+    header, comma, payload = url[5:].partition(",")
+    if not comma:
+        raise ImageError(f"{where}: malformed data: URI (no comma before the data)")
+    media_type, *params = header.split(";")
+    media_type = media_type.strip().lower()
+    if media_type not in FORMATS:
+        raise ImageError(f"{where}: unsupported image type {media_type or 'none'!r}; PNG and JPEG are accepted")
+    if "base64" not in (p.strip().lower() for p in params):
+        raise ImageError(f"{where}: the image data must be base64-encoded (data:{media_type};base64,...)")
+    if len(payload) // 4 * 3 > MAX_IMAGE_BYTES:
+        raise ImageError(f"{where}: the image is over {MAX_IMAGE_BYTES >> 20} MiB")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{where}: the image data is not valid base64") from None
+    try:
+        image = Image.open(io.BytesIO(data))
+        fmt = image.format
+        if fmt not in ("PNG", "JPEG"):
+            raise ImageError(f"{where}: the data is {fmt or 'not an image'}, not {FORMATS[media_type]}")
+        width, height = image.size
+        if width * height > max_pixels:  # before decoding the pixels: a decompression bomb stops here
+            raise ImageError(f"{where}: the image is {width} x {height} pixels, over the limit of {max_pixels:,}")
+        image.load()
+    except ImageError:
+        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(f"{where}: the image could not be decoded ({type(e).__name__}: {e})") from None
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+    h.update(image.tobytes())
+    return DecodedImage(image, h.digest())
+
+
+def image_parts(messages: list[dict]) -> list[tuple[str, str]]:
+    """(url, where) of every image part, in the order the renderer meets them."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else image_url
+                out.append((url, f"messages[{i}].content[{j}].image_url"))
+    if len(out) > MAX_IMAGES:
+        raise ImageError(f"messages: {len(out)} images, at most {MAX_IMAGES} per request")
+    return out
+
+
+@dataclass
+class PreparedImages:
+    pixel_values: list  # per image: [L, 3, P, P]
+    grid_thws: list[tuple[int, int, int]]
+    digests: list[bytes]
+    counts: list[int]  # placeholders per image
+
+
+def prepare_images(messages: list[dict], processor: ImageProcessor) -> PreparedImages:
+    """Decode, check and process every image part of the messages (one grid row per image)."""
+    out = PreparedImages([], [], [], [])
+    for url, where in image_parts(messages):
+        decoded = decode_image_url(url, where, max_pixels=processor.max_pixels)
+        try:
+            inputs = processor([decoded.image])
+        except ValueError as e:
+            raise ImageError(f"{where}: {e}") from None
+        out.pixel_values.append(inputs.pixel_values)
+        out.grid_thws.append(tuple(int(x) for x in inputs.grid_thws[0]))
+        out.digests.append(decoded.digest)
+        out.counts.append(int(inputs.num_placeholders[0]))
+    return out

@@ -1,0 +1,164 @@
+"""Images in the server (#24, SPEC §7): the unmodified `openai` client sends an image in a chat
+request and gets an answer; the prefix cache keys images by their pixels (the same image hits,
+another image of the same size does not); every bad image is a 400 in OpenAI's error shape; the
+engine's output with an image equals the multimodal model's own greedy continuation, whole or in
+prefill chunks that split the image."""
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from k3.config import load_config
+from k3.data.image_processor import ImageProcessor
+from k3.model.transformer import K3ForCausalLM
+from k3.serve.api.server import ServerThread, build_app
+from k3.serve.engine import AsyncEngine, EngineConfig, ImageInput, LLMEngine
+from k3.serve.sampling import SamplingParams
+from k3.text.tokenizer import train_tokenizer
+from tests.model.vision.test_multimodal import tiny_multimodal
+from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
+
+CORPUS = ["What is shown in the picture?", "A red square and two blue circles.", "How many shapes are there?"]
+VOCAB, PLACEHOLDER = 340, 339  # the tokenizer's 330 ids, then room for the placeholder id
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(CORPUS, 330)
+
+
+@pytest.fixture(scope="module")
+def vl_model():
+    model = tiny_multimodal(vocab_size=VOCAB)
+    model.config.media_placeholder_token_id = PLACEHOLDER
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(vl_model, tokenizer):
+    engine = LLMEngine(vl_model, EngineConfig(block_size=4, hash_block_size=8, max_num_batched_tokens=32))
+    app = build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="k3-tiny-vl")
+    app.state.ctx.images = ImageProcessor.from_vision_config(vl_model.config.vision_config, max_pixels=200 * 200)
+    with ServerThread(app) as s:
+        s.images = app.state.ctx.images
+        yield s, engine
+
+
+def picture(seed: int, size=(56, 84)) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy())
+
+
+def data_uri(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def ask(url: str, text: str = "What is shown in the picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_openai_client_sends_an_image_and_gets_an_answer(server):
+    s, _ = server
+    c = client(s)
+    kw = {"model": "k3-tiny-vl", "messages": ask(data_uri(picture(0))), "max_tokens": 6, "temperature": 0,
+          "extra_body": {"ignore_eos": True, "chat_template_kwargs": {"thinking": False}}}
+    reply = c.chat.completions.create(**kw)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 6
+    # one placeholder per merged row of the picture, counted as prompt tokens
+    text_only = c.chat.completions.create(**{**kw, "messages": [{"role": "user", "content": "What is shown in the picture?"}]})
+    assert reply.usage.prompt_tokens == text_only.usage.prompt_tokens + s.images.placeholder_counts(picture(0))[0]
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in c.chat.completions.create(**kw, stream=True)
+                       if chunk.choices)
+    assert streamed == reply.choices[0].message.content
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_does_not(server):
+    s, _ = server
+    c = client(s)
+    kw = {"model": "k3-tiny-vl", "max_tokens": 2, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+    def image_then_text(image: Image.Image, fmt: str = "PNG") -> list[dict]:  # a hit past the image must span it
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image, fmt)}},
+                                             {"type": "text", "text": "How many shapes are there? " * 3}]}]
+
+    first = c.chat.completions.create(messages=image_then_text(picture(1)), **kw)
+    again = c.chat.completions.create(messages=image_then_text(picture(1)), **kw)
+    other = c.chat.completions.create(messages=image_then_text(picture(2)), **kw)  # the same size
+    jpeg = c.chat.completions.create(messages=image_then_text(picture(1), "JPEG"), **kw)  # lossy: other pixels
+    image = s.images.placeholder_counts(picture(1))[0]
+    prompt = first.usage.prompt_tokens
+    assert again.usage.prompt_tokens == other.usage.prompt_tokens == jpeg.usage.prompt_tokens == prompt
+    hit = again.usage.prompt_tokens_details.cached_tokens
+    assert hit >= prompt - 8  # all but the last hash block at most
+    for miss in (other, jpeg):  # at most the text before the image, up to a hash block (8) past it
+        assert miss.usage.prompt_tokens_details.cached_tokens < hit - image - 8
+
+
+@pytest.mark.parametrize("url, message", [
+    ("data:image/png;base64,aGVsbG8=", "could not be decoded"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+    ("data:image/gif;base64,R0lGODlhAQABAAAAACw=", "unsupported image type 'image/gif'"),
+    ("data:image/png,rawbytes", "must be base64-encoded"),
+    ("https://example.com/cat.png", "not fetched (fetching is off)"),
+    ("file:///etc/passwd", "not fetched"),
+    (None, "over the limit"),  # 300 x 300 pixels against the test server's 200 x 200 limit
+])
+def test_bad_images_get_a_400_with_a_clear_message(server, url, message):
+    s, _ = server
+    url = url or data_uri(picture(3, size=(300, 300)))
+    r = httpx.post(s.url + "/v1/chat/completions", json={"model": "k3-tiny-vl", "messages": ask(url), "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert "image_url" in error["message"]  # names the part
+
+
+def test_a_text_model_refuses_images_with_a_400(tokenizer):
+    torch.manual_seed(0)
+    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=VOCAB)).eval()
+    engine = LLMEngine(model, EngineConfig(block_size=4))
+    with ServerThread(build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="text")) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "text", "messages": ask(data_uri(picture(0))), "max_tokens": 2})
+    assert r.status_code == 400 and "vision tower" in r.json()["error"]["message"]
+
+
+def test_engine_output_equals_the_model_whole_or_chunked(vl_model):
+    """Greedy tokens through the engine (prefill in chunks of 5, which split the 6-row image) equal
+    the multimodal model's own continuation; the same prompt with another image differs."""
+    from tests.model.vision.helpers import pixels
+
+    grid = (1, 4, 6)
+    pv, _ = pixels([grid], vl_model.config.vision_config.patch_size, seed=1)
+    prompt = [5, 6, 7] + [PLACEHOLDER] * 6 + [8, 9, 10, 11]
+    with torch.no_grad():
+        tokens = list(prompt)
+        for _ in range(5):
+            logits = vl_model(torch.tensor([tokens]), pixel_values=pv, grid_thws=torch.tensor([grid]))
+            tokens.append(int(logits[0, -1].argmax()))
+    for budget in (64, 5):
+        engine = LLMEngine(vl_model, EngineConfig(block_size=4, hash_block_size=4, max_num_batched_tokens=budget))
+        engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                           images=[ImageInput(3, pv, grid, b"one")])
+        out = []
+        while engine.has_unfinished:
+            out += [t.token_id for o in engine.step() for t in o.new_tokens]
+        assert out == tokens[len(prompt):]
+        assert not engine.runner._media  # freed with the request
+    with pytest.raises(ValueError, match="needs 6 placeholder tokens"):
+        engine.add_request(prompt, SamplingParams(max_tokens=1), images=[ImageInput(2, pv, grid, b"one")])
+    with pytest.raises(ValueError, match="image placeholder tokens"):
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
