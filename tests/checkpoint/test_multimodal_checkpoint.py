@@ -15,18 +15,11 @@ from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
 from k3.model.transformer import K3ForCausalLM
 from tests.helpers import assert_rel_close
 from tests.helpers.models import official_names, randomized, small_config
+from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.model.vision.helpers import pixels, tiny_config
 
 GRIDS = [(1, 4, 6), (2, 4, 4)]  # an image and a 2-frame clip (the clip reads the temporal table)
 ROWS = 6 + 4
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_multimodal(seed: int = 0) -> K3ForConditionalGeneration:

@@ -19,14 +19,7 @@ from PIL import Image
 
 from k3.data.image_processor import K3_MEDIA_PROC_CFG, ImageProcessor
 from k3.model.vision.merge import merged_counts
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,10 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from k3.data import shapes_corpus as sc
 from k3.data.image_processor import ImageProcessor
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 
 
 def _digest(image) -> str:

@@ -7,11 +7,11 @@ integers, exact in fp32.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
 from k3.config import load_config
+from tests.helpers.threads import one_torch_thread  # noqa: F401 (serving tests import it from here)
 
 VOCAB = 61
 
@@ -150,13 +150,3 @@ class PoisonModel(FakeModel):
     def predict(self, history, kda, tail, mla) -> int:  # never the poison itself: healthy requests stay so
         token = super().predict(history, kda, tail, mla)
         return token if token != self.poison else (token + 1) % self.config.vocab_size
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Serving tests run tiny ops: one intra-op thread avoids the spin-wait cost of a second thread
-    on a shared 2-core machine (measured 20x on k3-tiny decode under load); restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

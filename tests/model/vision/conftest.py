@@ -2,13 +2,4 @@
 overhead-bound, and extra threads only contend with other work on a 2-core machine."""
 from __future__ import annotations
 
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
