@@ -210,7 +210,8 @@ class K3Config:
         d = copy.deepcopy(d)
         wrapper = None
         if "text_config" in d:  # kimi_k3: multimodal wrapper around a kimi_linear text config
-            wrapper = {k: v for k, v in d.items() if k != "text_config"}
+            # text_config kept as a marker of its place: to_dict writes the published key order back
+            wrapper = {k: (None if k == "text_config" else v) for k, v in d.items()}
             text = d["text_config"]
         else:
             text = d

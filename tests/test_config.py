@@ -13,6 +13,7 @@ def test_official_config_round_trips_losslessly(path, tmp_path):
     published = json.loads(path.read_text())
     cfg = K3Config.from_json(path)
     assert cfg.to_dict() == published
+    assert list(cfg.to_dict()) == list(published)  # the published key order too (text_config in place)
     cfg.save(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == published
 

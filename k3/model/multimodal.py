@@ -47,7 +47,7 @@ class K3MultimodalConfig:
     text_config: K3Config
     vision_config: VisionConfig
     media_placeholder_token_id: int = MEDIA_PLACEHOLDER_TOKEN_ID
-    # the top-level keys read, in order (K3Config keeps the wrapper's keys but puts text_config last)
+    # the top-level keys read, in order (written back in that order)
     _read_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
