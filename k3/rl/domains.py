@@ -142,6 +142,15 @@ def _counts(replies: list) -> dict:
             "content_chars": sum(len(r.content or "") for r in replies)}
 
 
+def _episode_problem(task: Task, replies: list) -> str:
+    """Why an episode cannot count, whatever its answer ("" when nothing is wrong with its form)."""
+    if not replies:
+        return "no reply"
+    if len(replies) > task.max_turns:
+        return f"{len(replies)} turns, the domain allows {task.max_turns}"
+    return _malformed(replies)
+
+
 def _malformed(replies: list) -> str:
     for n, r in enumerate(replies, 1):
         if r.errors:
@@ -239,12 +248,7 @@ class Domain:
         """One-turn domains: a well-formed reply whose final answer equals the truth."""
         counts = _counts(replies)
         answer = final_answer(replies[-1].content) if replies else None
-        if not replies:
-            reason = "no reply"
-        elif len(replies) > task.max_turns:
-            reason = f"{len(replies)} turns, the domain allows {task.max_turns}"
-        else:
-            reason = _malformed(replies)
+        reason = _episode_problem(task, replies)
         if not reason:
             if counts["tool_calls"]:
                 reason = "called a tool, the domain offers none"
@@ -427,12 +431,7 @@ class ToolUse(Domain):
                     and not call_tool(fn["name"], args).startswith("error:"):
                 right += 1
         answer = final_answer(replies[-1].content) if replies else None
-        if not replies:
-            reason = "no reply"
-        elif len(replies) > task.max_turns:
-            reason = f"{len(replies)} turns, the domain allows {task.max_turns}"
-        else:
-            reason = _malformed(replies)
+        reason = _episode_problem(task, replies)
         if not reason:
             if replies[-1].tool_calls:
                 reason = "the episode ended on a tool call, with no final answer"
