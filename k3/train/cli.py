@@ -1,7 +1,9 @@
 """`k3 train`: with no arguments, trains k3-tiny on the bundled Shakespeare corpus on CPU.
 
 Distributed: `torchrun --nproc-per-node N -m k3 train ...` (FSDP2; gloo on CPU, NCCL on CUDA).
-Every default lives in TrainSettings; flags left out keep it.
+Every default lives in TrainSettings; flags left out keep it. A vision-language config
+(`--config k3-tiny-vl`, or a config.json with a vision_config) trains with VLTrainer and VLSettings'
+defaults instead (k3/train/vl_trainer.py, SPEC §7).
 """
 from __future__ import annotations
 
@@ -78,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="tokenizer/token cache (default $K3_CACHE_DIR or ~/.cache/k3)")
 
 
-def _settings(args) -> TrainSettings:
-    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings)
+def _settings(args, defaults: TrainSettings = _DEFAULTS) -> TrainSettings:
+    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(defaults)
                if f.name != "overrides" and getattr(args, f.name, None) is not None}
     overrides = {}
     for item in args.overrides or []:
@@ -90,7 +92,19 @@ def _settings(args) -> TrainSettings:
             overrides[field] = json.loads(value)
         except json.JSONDecodeError:
             overrides[field] = value  # a bare string such as --set kda_impl=chunk
-    return dataclasses.replace(_DEFAULTS, **changes, overrides=overrides)
+    return dataclasses.replace(defaults, **changes, overrides=overrides)
+
+
+def _is_vl_run(args) -> bool:
+    """A VL config named, or a VL run resumed (its run.json has VLSettings' fields)."""
+    from k3.train.vl_config import is_vl_config
+
+    if args.resume:
+        try:
+            return "vl_scenes" in json.loads((Path(args.resume) / "run.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+            return False  # Trainer.from_run reports the unreadable run file
+    return is_vl_config(args.config)
 
 
 def interrupt_advice(run_dir, ckpt_every: int, verb: str = "train") -> str:
@@ -133,10 +147,20 @@ def train_verb(verb: str, args, trainer_class, settings, errors: tuple) -> tuple
 
 
 def run(args) -> int:
-    done = train_verb("train", args, Trainer, _settings, (TrainError, DataError, ConfigError, ResumeStateError))
+    trainer_class, settings = Trainer, _settings
+    if _is_vl_run(args):
+        from k3.train.vl_trainer import VLSettings, VLTrainer
+
+        trainer_class, settings = VLTrainer, lambda a: _settings(a, VLSettings())
+    done = train_verb("train", args, trainer_class, settings, (TrainError, DataError, ConfigError, ResumeStateError))
     if isinstance(done, int):
         return done
     trainer, result = done
+    if "vqa" in result and trainer.world.is_main:
+        v = result["vqa"]
+        print(f"\nheld-out visual questions: {v['accuracy']:.1%} of {v['questions']} answered exactly "
+              f"(text-only baselines: blank images {v['blank_image_accuracy']:.1%}, "
+              f"majority answer {v['majority_accuracy']:.1%})")
     if trainer.world.is_main:
         run_dir = result["run_dir"]
         print(f"\nrun saved to {run_dir}\n"

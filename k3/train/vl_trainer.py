@@ -1,0 +1,506 @@
+"""Joint vision-language training from scratch (`k3 train --config k3-tiny-vl`, SPEC §7).
+
+K3ForConditionalGeneration (k3/model/multimodal.py: MoonViT-V2 tower + patchmergerv2 projector +
+the K3 text model) trains on a mix of the bundled text and generated scenes with questions
+(k3/data/shapes_corpus.py): each step packs `batch_size` text windows and `vl_scenes` VL documents
+(k3/train/vl_data.py) into one row with cu_seqlens, the images' rows written over their placeholder
+tokens. The loss is the mean next-token NLL over the text windows' targets plus `vl_loss_weight`
+times the mean over the VL documents' answer tokens (two means, so the few answer tokens are not
+drowned by the many text tokens); both are recorded (`text_loss`, `image_loss`) and plotted apart.
+Everything else is `k3 train`'s: Per-Head Muon + AdamW over every parameter, tower and projector
+included (`vl_param_groups`), warmup-cosine, the expert-balance rule, atomic checkpoints with exact
+resume (the data of a step is a pure function of (seed, step)), metrics.jsonl, loss.png, report.md.
+The checkpoint folder is the published multimodal layout (`language_model.*`, `vision_tower.*`,
+`mm_projector.*`), which `k3.checkpoint.multimodal.load_pretrained_multimodal` reads.
+
+Evaluation: text val loss / bits per byte as `k3 train`, the answer-token loss on held-out questions
+of the corpus, and their accuracy (greedy answer until eos, exact match after strip), by question
+type; at the end two text-only baselines on the same questions: the corpus's majority answer per
+question, and this model with every image replaced by a blank canvas.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from tokenizers import AddedToken
+from torch.nn import functional as F
+
+from k3.atomic import write_atomic
+from k3.checkpoint import training_state as ckpt
+from k3.checkpoint.run_folder import latest_checkpoint
+from k3.config import ConfigError
+from k3.data import shapes_corpus as corpus
+from k3.data.corpus import load_documents, split_documents
+from k3.data.image_processor import ImageProcessor
+from k3.generation.generate import generate
+from k3.model.cache import K3Cache
+from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
+from k3.model.params import count_parameters, count_vision_parameters
+from k3.text.tokenizer import load_tokenizer, tokenizer_fingerprint, train_tokenizer
+from k3.train.balance import balance_step, expert_loads
+from k3.train.errors import TrainError
+from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
+from k3.train.muon import OPTIMIZERS, Blocks, PerHeadMuon, param_groups
+from k3.train.packing import IGNORE_INDEX, cached_token_stream, window, windows_for_step
+from k3.train.parallel import clip_grad_norm_
+from k3.train.schedule import warmup_cosine
+from k3.train.trainer import Trainer, TrainSettings, validate_common
+from k3.train.vl_config import VLCheckpointConfig, load_vl_config
+from k3.train.vl_data import VLEncoder, corpus_texts, describe, pack_vl, scene_questions, scenes_for_step
+
+VQA_CHUNK = 64  # held-out prompts per prefill
+TOKENIZER_SCENES = 400  # scenes whose question/answer text joins the tokenizer's training text
+
+
+@dataclass
+class VLSettings(TrainSettings):
+    """A `k3 train` run of a VL model (saved as run.json; `--resume` reads it back). The defaults
+    fit the 15-minute budget of the default run on 2 CPU cores (docs/VISION.md, Joint training)."""
+    config: str = "k3-tiny-vl"
+    steps: int = 350
+    batch_size: int = 4  # text windows per step (an eighth of the row: the VL answers are the hard part)
+    seq_len: int = 64  # as long as a VL document: the chunked KDA pads every segment of a row to the longest
+    lr: float = 4e-3
+    eval_every: int = 100
+    eval_windows: int | None = 16
+    ckpt_every: int = 100
+    vl_scenes: int = 29  # VL documents (scenes) per step
+    vl_questions: int = 4  # questions per scene, each answer learned (4: a document of at most 63 inputs)
+    image_size: int = 84  # 6 x 6 patches of 14: each cell of the corpus's 3 x 3 grid is one merged row
+    vl_describe: bool = False  # end each VL document with the scene's cell-by-cell description, learned
+    vl_loss_weight: float = 1.0
+    vision_lr_scale: float = 1.0  # the tower's and projector's learning rate, relative to `lr`
+    vision_optimizer: str = ""  # the tower's and projector's matrices: "" = as `optimizer`, else one of OPTIMIZERS
+    vqa_eval: int = 400  # held-out questions scored at each eval
+    max_answer_tokens: int = 6
+    baseline_examples: int = 2000  # training examples the majority baseline counts
+
+
+def _validate_vl(s: VLSettings, config: K3MultimodalConfig) -> None:
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise TrainError(msg)
+
+    validate_common(s, 1, config.text_config.max_position_embeddings)
+    need(s.eval_windows is None or s.eval_windows >= 1, f"eval windows must be >= 1, got {s.eval_windows}")
+    need(s.vl_scenes >= 0 and s.vl_scenes % s.grad_accum == 0,
+         f"VL scenes per step must be >= 0 and divisible by grad accumulation {s.grad_accum}, got {s.vl_scenes}")
+    need(s.vl_questions >= 1, f"questions per scene must be >= 1, got {s.vl_questions}")
+    need(s.image_size >= 42, f"image size must be >= 42 px (the corpus's 3 x 3 grid), got {s.image_size}")
+    need(s.vl_loss_weight >= 0, f"VL loss weight must be >= 0, got {s.vl_loss_weight}")
+    need(s.vqa_eval >= 1 and s.max_answer_tokens >= 1 and s.baseline_examples >= 1,
+         "held-out questions, max answer tokens and baseline examples must be >= 1")
+    need(s.vision_optimizer in ("", *OPTIMIZERS),
+         f"vision optimizer must be empty (as the optimizer) or one of {', '.join(OPTIMIZERS)}, got {s.vision_optimizer!r}")
+    need(s.vision_lr_scale > 0, f"vision learning-rate scale must be > 0, got {s.vision_lr_scale}")
+    need(not config.text_config.tie_word_embeddings, "VL training needs untied embeddings (tie_word_embeddings false)")
+
+
+# ---------------------------------------------------------------------- optimizer groups
+def vision_blocks(name: str, param: torch.Tensor, head_dim: int) -> Blocks | None:
+    """The Muon block structure of a vision-encoder parameter, or None for AdamW (SPEC §8). The
+    tower's attention is multi-head like the LM's, so Per-Head Muon cuts it the same way: wqkv's rows
+    are [q | k | v] x heads x head_dim (3 * heads row blocks), wo's columns are heads x head_dim.
+    The patch convolution [D, 3, P, P] is the image analogue of the token embedding and the position
+    table [H0, W0, D] of a position embedding: AdamW, as embeddings; norms too."""
+    if param.dim() != 2:
+        return None
+    if name.endswith(".wqkv.weight"):
+        return Blocks(0, head_dim)
+    if name.endswith(".wo.weight"):
+        return Blocks(1, head_dim)
+    return Blocks()  # MLP fc0/fc1 and the projector's two matrices: whole
+
+
+def vl_param_groups(model: K3ForConditionalGeneration, *, weight_decay: float, optimizer: str = "per-head-muon",
+                    vision_optimizer: str | None = None, vision_lr: float | None = None) -> list[dict]:
+    """k3.train.muon.param_groups for the text model (its names prefixed `language_model.`) plus the
+    vision tower's and projector's own groups (`vision_muon_*`, `vision_adamw_*`) under the same
+    rules, or `vision_optimizer`'s, at `vision_lr` when given (else the optimizer's lr)."""
+    groups = param_groups(model.language_model, model.config.text_config, weight_decay=weight_decay,
+                          optimizer=optimizer)
+    for g in groups:
+        g["param_names"] = ["language_model." + n for n in g["param_names"]]
+    head_dim = model.config.vision_config.head_dim
+    optimizer = vision_optimizer or optimizer
+    vision: dict[str, dict] = {}
+    for name, p in model.named_parameters():
+        if name.startswith("language_model.") or not p.requires_grad:
+            continue
+        blocks = None if optimizer == "adamw" else vision_blocks(name, p, head_dim)
+        if blocks is not None and optimizer == "muon":
+            blocks = Blocks()
+        if blocks is not None:
+            key = f"vision_muon_{blocks.label}"
+            extra = {"kind": "muon", "block_axis": blocks.axis, "block_size": blocks.size, "weight_decay": weight_decay}
+        elif p.dim() >= 2:
+            key, extra = "vision_adamw_decay", {"kind": "adamw", "weight_decay": weight_decay}
+        else:
+            key, extra = "vision_adamw_no_decay", {"kind": "adamw", "weight_decay": 0.0}
+        if vision_lr is not None:
+            extra["lr"] = vision_lr
+        g = vision.setdefault(key, {"name": key, "params": [], "param_names": [], **extra})
+        g["params"].append(p)
+        g["param_names"].append(name)
+    groups += vision.values()
+    return sorted(groups, key=lambda g: g["name"])
+
+
+# ---------------------------------------------------------------------- the trainer
+class VLTrainer(Trainer):
+    SETTINGS = VLSettings
+
+    def _setup(self, settings: VLSettings, resume: bool) -> None:
+        if self.world.distributed:
+            raise TrainError("VL training runs in one process (the vision tower has no FSDP wrapping yet): "
+                             "run it without torchrun")
+        config = self._read_config(settings)
+        _validate_vl(settings, config)
+        self._prepare_run_dir(settings, resume)
+        self._setup_data(settings, config, resume)
+        self._write_run_files(settings, resume)
+        torch.manual_seed(settings.seed)
+        self._setup_model(K3ForConditionalGeneration(self.mm_config), resume)
+
+    def _read_config(self, settings) -> K3MultimodalConfig:
+        try:
+            return load_vl_config(settings.config, settings.overrides)
+        except (ConfigError, FileNotFoundError, TypeError, ValueError) as e:
+            raise TrainError(str(e)) from None
+
+    def _tokenizer(self, settings: VLSettings, texts: list[str], vocab_size: int, resume: bool):
+        """The run's own on resume; else a byte-level BPE on the text split and the corpus's question
+        and description text, one id short of the vocabulary, then the image placeholder as a special
+        token at the end (the id the model's media_placeholder_token_id names)."""
+        if resume:
+            return load_tokenizer(self.run_dir)
+        texts = texts + corpus_texts(0, TOKENIZER_SCENES, settings.image_size)
+        key = tokenizer_fingerprint(texts + [corpus.IMAGE_PLACEHOLDER], vocab_size - 1)
+        path = self.cache_dir(settings) / "tokenizers" / f"vl-{key}.json"
+        if path.is_file():
+            return load_tokenizer(path)
+        self.log(f"training a {vocab_size}-token byte-level BPE (with {corpus.IMAGE_PLACEHOLDER}) "
+                 f"on {len(texts)} documents ...")
+        tok = train_tokenizer(texts, vocab_size - 1)
+        tok.add_special_tokens([AddedToken(corpus.IMAGE_PLACEHOLDER, special=True, normalized=False)])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda tmp: tok.save(str(tmp)))
+        return tok
+
+    def _setup_data(self, settings: VLSettings, config: K3MultimodalConfig, resume: bool) -> None:
+        train_docs, val_docs = split_documents(load_documents(settings.data), settings.val_fraction)
+        self.tokenizer = self._tokenizer(settings, [d.text for d in train_docs], config.text_config.vocab_size, resume)
+        placeholder = self.tokenizer.token_to_id(corpus.IMAGE_PLACEHOLDER)
+        if placeholder is None:
+            raise TrainError(f"the run's tokenizer has no {corpus.IMAGE_PLACEHOLDER} token")
+        self._adopt_tokenizer(config.text_config)
+        self.token_bytes[placeholder] = 0  # a special token: no text bytes
+        self.mm_config = VLCheckpointConfig(self.config, config.vision_config, media_placeholder_token_id=placeholder)
+        cache = self.cache_dir(settings) / "tokens"
+        bos, eos = self.config.bos_token_id, self.config.eos_token_id
+        self.log(f"tokenizing {len(train_docs)} train / {len(val_docs)} val documents ...")
+        self.train_data = cached_token_stream(cache, self.tokenizer, [d.text for d in train_docs], bos, eos)
+        self.val_data = cached_token_stream(cache, self.tokenizer, [d.text for d in val_docs], bos, eos)
+        self.num_windows = self.train_data.num_windows(settings.seq_len)
+        if self.num_windows < 1:
+            raise TrainError(f"the training split has {len(self.train_data.tokens)} tokens, fewer than one "
+                             f"sequence of {settings.seq_len}: use more data or a shorter --seq-len")
+        processor = ImageProcessor.from_vision_config(config.vision_config)
+        self.encoder = VLEncoder(self.tokenizer, processor, bos, eos, placeholder)
+        self.heldout = list(corpus.examples("heldout", settings.vqa_eval, settings.seed, size=settings.image_size))
+        self._last_answers: list[str] = []
+
+    def _setup_model(self, model: K3ForConditionalGeneration, resume: bool) -> None:
+        """As Trainer's, for one process: the wrapper's groups, and the checkpoint of the run on resume."""
+        s = self.s
+        model = model.to(self.world.device)
+        if s.qat:
+            from k3.quant.qat import apply_qat
+
+            apply_qat(model.language_model)
+        if s.compile:
+            from k3.regional_compile import compile_regions
+
+            compile_regions(model.language_model)
+        self.params = count_parameters(self.config)
+        self.vision_params = count_vision_parameters(self.mm_config.vision_config)
+        self.model = model
+        groups = vl_param_groups(model, weight_decay=s.weight_decay, optimizer=s.optimizer,
+                                 vision_optimizer=s.vision_optimizer or None, vision_lr=s.lr * s.vision_lr_scale)
+        self.optimizer = PerHeadMuon(groups, lr=s.lr, weight_decay=s.weight_decay)
+        self.scheduler = warmup_cosine(self.optimizer, s.steps, s.min_lr_ratio)
+        self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
+        if resume:
+            found = latest_checkpoint(self.run_dir / "checkpoints")
+            if found is not None:
+                state = ckpt.load_checkpoint(found, self.model, self.optimizer, self.scheduler)
+                self.step, self.elapsed, self.tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
+                self.log(f"resumed {self.run_dir} at step {self.step} from {found.name}")
+            else:
+                self.log(f"{self.run_dir} has no complete checkpoint: starting from step 0 with its saved settings")
+            self.metrics.truncate_after(self.step)
+        self.balance_rule = None if s.balance == "none" else s.balance
+        self.balance_reduce = None
+
+    # ------------------------------------------------------------------ one step
+    def step_items(self) -> tuple[list[int], list[int]]:
+        """The step's text windows and scene indices (pure functions of (seed, step))."""
+        s = self.s
+        return windows_for_step(self.num_windows, s.seed, self.step, s.batch_size), list(scenes_for_step(self.step, s.vl_scenes))
+
+    def documents(self, scenes: list[int]) -> list:
+        s = self.s
+        docs = []
+        for i in scenes:
+            scene, qas = scene_questions(s.seed, i, s.vl_questions, s.image_size)
+            docs.append(self.encoder.document(scene.image, qas, describe(scene) if s.vl_describe else None))
+        return docs
+
+    def _loss_sums(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed NLL over the text targets and over the VL targets of one packed row."""
+        with self._autocast():
+            logits = self.model(batch.input_ids, batch.pixel_values, batch.grid_thws, cu_seqlens=batch.cu_seqlens)
+        nll = F.cross_entropy(logits[0].float(), batch.labels[0], ignore_index=IGNORE_INDEX, reduction="none")
+        is_vl = batch.is_vl[0]
+        return nll[~is_vl].sum(), nll[is_vl].sum()
+
+    def train_step(self) -> dict:
+        s, device = self.s, self.world.device
+        windows, scenes = self.step_items()
+        docs = self.documents(scenes)
+        text_targets = sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows)
+        vl_targets = sum(d.targets for d in docs)
+        self.model.train()
+        text_nll, vl_nll = torch.zeros((), device=device), torch.zeros((), device=device)
+        tokens = 0
+        wm, dm = len(windows) // s.grad_accum, len(docs) // s.grad_accum
+        for j in range(s.grad_accum):
+            batch = pack_vl(self.train_data, windows[j * wm:(j + 1) * wm], s.seq_len, docs[j * dm:(j + 1) * dm]).to(device)
+            tokens += batch.input_ids.shape[1]
+            text_sum, vl_sum = self._loss_sums(batch)
+            loss = text_sum / max(text_targets, 1) + s.vl_loss_weight * vl_sum / max(vl_targets, 1)
+            loss.backward()
+            text_nll += text_sum.detach()
+            vl_nll += vl_sum.detach()
+        grad_norm = clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loads = expert_loads(self.model)
+        balance_step(self.model, self.balance_rule)
+        self.step += 1
+        self.tokens_seen += tokens
+        text_loss = float(text_nll) / max(text_targets, 1)
+        image_loss = float(vl_nll) / max(vl_targets, 1)
+        max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
+        return {"kind": "train", "step": self.step, "loss": text_loss + s.vl_loss_weight * image_loss,
+                "text_loss": text_loss, "image_loss": image_loss, "lr": lr, "grad_norm": float(grad_norm),
+                "tokens": self.tokens_seen, "images": len(docs), "max_load": round(max_load, 3), "step_tokens": tokens}
+
+    # ------------------------------------------------------------------ held-out questions
+    def _prompt(self, example: corpus.Example, blank: bool):
+        image = Image.new("RGB", example.image.size, corpus.BACKGROUND) if blank else example.image
+        pixels, grid, count = self.encoder.image(image)
+        return self.encoder.prompt_ids(example.question, count), pixels, grid
+
+    @torch.no_grad()
+    def answer(self, examples: list[corpus.Example], *, blank: bool = False) -> list[str]:
+        """Greedy answers (until eos, at most `max_answer_tokens`), decoded and stripped; `blank`
+        shows a blank canvas of the same size instead of each image (the text-only baseline)."""
+        device, eos = self.world.device, self.config.eos_token_id
+        was_training = self.model.training
+        self.model.eval()
+        answers: list[str] = []
+        for start in range(0, len(examples), VQA_CHUNK):
+            prompts, pixels, grids = zip(*(self._prompt(ex, blank) for ex in examples[start:start + VQA_CHUNK]))
+            n = len(prompts)
+            ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
+            cu = torch.tensor([0] + [len(p) for p in prompts], device=device).cumsum(0)
+            cache = K3Cache.empty(self.config, n, device=device)
+            with self._autocast():
+                logits = self.model(ids, torch.cat(pixels).to(device), torch.tensor(grids, device=device),
+                                    cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:] - 1)[0]
+            outputs: list[list[int]] = [[] for _ in range(n)]
+            active = list(range(n))
+            for _ in range(self.s.max_answer_tokens):
+                tokens = logits.argmax(-1)
+                still = []
+                for row, seq in enumerate(active):
+                    token = int(tokens[row])
+                    if token == eos:
+                        continue
+                    outputs[seq].append(token)
+                    if len(outputs[seq]) < self.s.max_answer_tokens:
+                        still.append(row)
+                if not still:
+                    break
+                if len(still) < len(active):
+                    cache, tokens, active = cache.select(still), tokens[still], [active[r] for r in still]
+                with self._autocast():  # the language model itself: a generated placeholder id is just a token
+                    logits = self.model.language_model(tokens[None], cu_seqlens=torch.arange(len(active) + 1, device=device),
+                                                       cache=cache)[0]
+            answers += [self.tokenizer.decode(o).strip() for o in outputs]
+        self.model.train(was_training)
+        return answers
+
+    @torch.no_grad()
+    def heldout_loss(self) -> tuple[float, int]:
+        """Mean NLL of the held-out answers (answer tokens and eos), teacher-forced, and their count."""
+        was_training = self.model.training
+        self.model.eval()
+        nats, count = 0.0, 0
+        for start in range(0, len(self.heldout), VQA_CHUNK):
+            docs = [self.encoder.document(ex.image, [corpus.QA(ex.qtype, ex.question, ex.answer)])
+                    for ex in self.heldout[start:start + VQA_CHUNK]]
+            batch = pack_vl(None, [], self.s.seq_len, docs).to(self.world.device)
+            nats += float(self._loss_sums(batch)[1])
+            count += sum(d.targets for d in docs)
+        self.model.train(was_training)
+        return nats / max(count, 1), count
+
+    @staticmethod
+    def accuracy(examples: list[corpus.Example], answers: list[str]) -> tuple[float, dict[str, float]]:
+        """Exact-match accuracy overall and per question type (in the corpus's type order)."""
+        hits = [a == ex.answer.strip() for ex, a in zip(examples, answers)]
+        by_type = {}
+        for t in corpus.QUESTION_TYPES:
+            mine = [h for h, ex in zip(hits, examples) if ex.qtype == t]
+            if mine:
+                by_type[t] = sum(mine) / len(mine)
+        return sum(hits) / max(len(hits), 1), by_type
+
+    # ------------------------------------------------------------------ eval and samples
+    @torch.no_grad()
+    def evaluate(self, max_windows: int | None = None) -> dict:
+        """Text val loss / bpb (Trainer's), plus the held-out answers' loss and accuracy."""
+        record = super().evaluate(max_windows)
+        loss, count = self.heldout_loss()
+        self._last_answers = self.answer(self.heldout)
+        acc, by_type = self.accuracy(self.heldout, self._last_answers)
+        record.update(val_image_loss=loss, val_image_tokens=count, vqa_accuracy=acc, vqa_by_type=by_type,
+                      vqa_questions=len(self.heldout))
+        return record
+
+    @torch.no_grad()
+    def samples(self, temperature: float = 0.8, top_p: float = 0.95) -> list[dict]:
+        """Text continuations of the sample prompts, and the last eval's answers to four held-out questions."""
+        bos = self.config.bos_token_id
+        prompts = [[bos] + self.tokenizer.encode(p).ids for p in self.s.sample_prompts]
+        self.model.eval()
+        outs = generate(self.model.language_model, prompts, self.s.sample_tokens, temperature=temperature,
+                        top_p=top_p, eos_token_id=self.config.eos_token_id, seed=self.s.seed)
+        self.model.train()
+        out = [{"kind": "sample", "step": self.step, "prompt": p, "text": self.tokenizer.decode(o)}
+               for p, o in zip(self.s.sample_prompts, outs)]
+        for ex, a in list(zip(self.heldout, self._last_answers))[:4]:
+            out.append({"kind": "sample", "step": self.step, "prompt": f"[image] {ex.question}",
+                        "text": f" -> {a!r} (truth {ex.answer!r})"})
+        return out
+
+    # ------------------------------------------------------------------ the end
+    def baselines(self) -> dict:
+        """Text-only figures on the held-out questions: the corpus's majority answer per question
+        (counted over `baseline_examples` training examples) and this model shown blank images."""
+        majority = corpus.TextOnlyBaseline(corpus.examples("train", self.s.baseline_examples, self.s.seed,
+                                                           size=self.s.image_size))
+        maj_answers = [majority.answer(ex.question) for ex in self.heldout]
+        blank_answers = self.answer(self.heldout, blank=True)
+        maj, maj_by_type = self.accuracy(self.heldout, maj_answers)
+        blank, blank_by_type = self.accuracy(self.heldout, blank_answers)
+        return {"majority_accuracy": maj, "majority_by_type": maj_by_type,
+                "blank_image_accuracy": blank, "blank_image_by_type": blank_by_type}
+
+    def train(self) -> dict:
+        result = super().train()
+        t0 = time.perf_counter()
+        base = self.baselines()
+        self.elapsed += time.perf_counter() - t0
+        record = {"kind": "vqa", "step": self.step, "questions": len(self.heldout),
+                  "accuracy": result["vqa_accuracy"], "by_type": result["vqa_by_type"], **base,
+                  "elapsed": round(self.elapsed, 2)}
+        self.metrics.write(record)
+        self.write_outputs(self.metrics.read(), Path(result["checkpoint"]))
+        result.update(vqa=record, elapsed=self.elapsed)
+        return result
+
+    def write_outputs(self, records: list[dict], checkpoint: Path | None) -> None:
+        s = self.s
+        plot_vl_losses(records, self.run_dir / PLOT_FILE,
+                       title=f"{self.run_dir.name}: {self.params['total'] / 1e6:.1f}M text + "
+                             f"{self.vision_params['total'] / 1e6:.2f}M vision parameters")
+        extra = []
+        vqa = [r for r in records if r["kind"] == "vqa"]
+        evals = [r for r in records if r["kind"] == "eval" and "vqa_accuracy" in r]
+        if evals:
+            e = evals[-1]
+            v = vqa[-1] if vqa else {}
+            types = list(e["vqa_by_type"])
+            extra = ["## Held-out visual questions", "",
+                     (f"{e['vqa_questions']} questions of the shapes corpus's held-out split (step {e['step']}); "
+                     f"greedy answer until eos, exact match after strip. Answer-token loss "
+                     f"{e['val_image_loss']:.4f} nats over {e['val_image_tokens']} tokens."), "",
+                     "| | all | " + " | ".join(t.replace("_", " ") for t in types) + " |",
+                     "|---|---|" + "---|" * len(types),
+                     f"| this model | **{e['vqa_accuracy']:.1%}** | " + " | ".join(f"{e['vqa_by_type'][t]:.1%}" for t in types) + " |"]
+            if v:
+                extra += [f"| same model, blank images | {v['blank_image_accuracy']:.1%} | "
+                          + " | ".join(f"{v['blank_image_by_type'].get(t, 0):.1%}" for t in types) + " |",
+                          f"| majority answer per question (text only) | {v['majority_accuracy']:.1%} | "
+                          + " | ".join(f"{v['majority_by_type'].get(t, 0):.1%}" for t in types) + " |"]
+            extra.append("")
+        params = {**self.params, "total": self.params["total"] + self.vision_params["total"],
+                  "active": self.params["active"] + self.vision_params["total"]}
+        write_report(self.run_dir / REPORT_FILE, settings=dataclasses.asdict(s), params=params, records=records,
+                     wall_time_s=self.elapsed, checkpoint=checkpoint, title="k3 vision-language training run",
+                     model=(f"{s.config}: K3 text model ({self.params['total'] / 1e6:.2f}M) + MoonViT-V2 tower and "
+                            f"projector ({self.vision_params['total'] / 1e6:.2f}M)"),
+                     data=(f"{s.data or 'bundled Shakespeare corpus'} + generated shapes scenes "
+                           f"({s.image_size} px, {s.vl_questions} questions each)"),
+                     batch=(f"{s.batch_size} text windows x {s.seq_len} tokens + {s.vl_scenes} scenes"), extra=extra)
+
+
+def plot_vl_losses(records: list[dict], path: Path, title: str) -> None:
+    """Two panels: text tokens (train and val loss) and VL answer tokens (train and held-out loss,
+    with held-out accuracy on a second axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r["kind"] == "train" and "text_loss" in r]
+    evals = [r for r in records if r["kind"] == "eval" and "vqa_accuracy" in r]
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in train]
+    ax_t.plot(steps, [r["text_loss"] for r in train], lw=1, label="train (text windows)")
+    ax_t.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val (held-out text)")
+    ax_t.set_title("text tokens")
+    ax_v.plot(steps, [r["image_loss"] for r in train], lw=1, color="C2", label="train (answers after an image)")
+    ax_v.plot([r["step"] for r in evals], [r["val_image_loss"] for r in evals], "o-", color="C3",
+              label="held-out questions")
+    ax_v.set_title("image-question answer tokens")
+    for ax in (ax_t, ax_v):
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
+    later = [r["image_loss"] for r in train[len(train) // 10:]]
+    if later:  # the first steps' answer loss is ten times the rest: keep the scale for the rest
+        ax_v.set_ylim(0, 1.5 * max(later + [r["val_image_loss"] for r in evals]))
+    if evals:
+        acc = ax_v.twinx()
+        acc.plot([r["step"] for r in evals], [r["vqa_accuracy"] for r in evals], "s--", color="C4",
+                 label="held-out accuracy")
+        acc.set_ylim(0, 1)
+        acc.set_ylabel("accuracy")
+        acc.legend(loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
+    plt.close(fig)
+
