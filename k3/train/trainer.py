@@ -267,15 +267,7 @@ class Trainer:
         self.scheduler = warmup_cosine(self.optimizer, settings.steps, settings.min_lr_ratio)
         self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
         if resume:
-            found = latest_checkpoint(self.run_dir / "checkpoints")
-            if found is not None:
-                state = ckpt.load_checkpoint(found, self.model, self.optimizer, self.scheduler)
-                self.step, self.elapsed, self.tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
-                self.log(f"resumed {self.run_dir} at step {self.step} from {found.name}")
-            else:
-                self.log(f"{self.run_dir} has no complete checkpoint: starting from step 0 with its saved settings")
-            if self.world.is_main:
-                self.metrics.truncate_after(self.step)
+            self._restore_latest()
         self.balance_rule = None if settings.balance == "none" else settings.balance
         self.balance_reduce = None
         if self.world.distributed and self.balance_rule is not None:
@@ -283,6 +275,18 @@ class Trainer:
                 self.balance_rule = "histogram"
                 self.log("balance: quantile -> histogram QB pooled over ranks (SPEC §6, within one bin of exact)")
             self.balance_reduce = lambda t: all_reduce_sum(t, self.world)
+
+    def _restore_latest(self) -> None:
+        """Model, optimizer, scheduler and counters from the run's latest complete checkpoint."""
+        found = latest_checkpoint(self.run_dir / "checkpoints")
+        if found is not None:
+            state = ckpt.load_checkpoint(found, self.model, self.optimizer, self.scheduler)
+            self.step, self.elapsed, self.tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
+            self.log(f"resumed {self.run_dir} at step {self.step} from {found.name}")
+        else:
+            self.log(f"{self.run_dir} has no complete checkpoint: starting from step 0 with its saved settings")
+        if self.world.is_main:
+            self.metrics.truncate_after(self.step)
 
     @classmethod
     def from_run(cls, run_dir: str | Path, **kwargs) -> Trainer:

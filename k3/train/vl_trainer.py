@@ -31,8 +31,6 @@ from tokenizers import AddedToken
 from torch.nn import functional as F
 
 from k3.atomic import write_atomic
-from k3.checkpoint import training_state as ckpt
-from k3.checkpoint.run_folder import latest_checkpoint
 from k3.config import ConfigError
 from k3.data import shapes_corpus as corpus
 from k3.data.corpus import load_documents, split_documents
@@ -236,14 +234,7 @@ class VLTrainer(Trainer):
         self.scheduler = warmup_cosine(self.optimizer, s.steps, s.min_lr_ratio)
         self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
         if resume:
-            found = latest_checkpoint(self.run_dir / "checkpoints")
-            if found is not None:
-                state = ckpt.load_checkpoint(found, self.model, self.optimizer, self.scheduler)
-                self.step, self.elapsed, self.tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
-                self.log(f"resumed {self.run_dir} at step {self.step} from {found.name}")
-            else:
-                self.log(f"{self.run_dir} has no complete checkpoint: starting from step 0 with its saved settings")
-            self.metrics.truncate_after(self.step)
+            self._restore_latest()
         self.balance_rule = None if s.balance == "none" else s.balance
         self.balance_reduce = None
 
