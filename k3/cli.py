@@ -20,6 +20,8 @@ COMMANDS = {
     "train": ("k3.train.cli", "train a model (default: k3-tiny on the bundled corpus, CPU)"),
     "train-draft": ("k3.draft.cli", "train a speculative-decoding draft on a run's own outputs"),
     "sft": ("k3.sft.cli", "fine-tune a run on conversations in K3's chat format (default: a tool-use set)"),
+    "rl": ("k3.rl.cli", "train an RL expert (domain x effort) from an SFT run: partial rollout, effort budgets"),
+    "distill": ("k3.rl.distill_cli", "merge RL experts into one student by multi-teacher on-policy distillation"),
     "generate": ("k3.generation.cli", "sample from a trained run"),
     "serve": ("k3.serve.cli", "OpenAI-compatible HTTP server"),
     "chat": ("k3.serve.chat_cli", "chat with a model in the terminal"),

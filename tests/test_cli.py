@@ -1,6 +1,6 @@
 import pytest
 
-from k3.cli import main
+from k3.cli import COMMANDS, main
 
 
 def test_unknown_verb_names_itself(capsys):
@@ -16,9 +16,10 @@ def test_no_verb_prints_help(capsys):
     assert exit_.value.code == 0 and "params" in capsys.readouterr().out
 
 
-def test_every_verb_lists_threads_in_its_help(capsys):
+@pytest.mark.parametrize("verb", sorted(COMMANDS))
+def test_every_verb_has_help_listing_threads(capsys, verb):
     with pytest.raises(SystemExit) as exit_:
-        main(["params", "--help"])
+        main([verb, "--help"])
     assert exit_.value.code == 0 and "--threads N" in capsys.readouterr().out
 
 

@@ -30,7 +30,7 @@ the one sampled without a pause; and with stop_fraction 1 nothing is ever paused
 the synchronous rollout's.
 
 Partial rollout (seeds §6.1.2, after Kimi K1.5): `run(prompts, K, stop_fraction=lam, resume=...)`
-submits the resumed trajectories first, then the new groups, and once ceil(lam * N * K)
+submits the resumed trajectories first, then the new groups, and once ceil(lam * (resumed + N * K))
 trajectories have finished it aborts the rest; each unfinished one is returned with its tokens,
 log-probs, per-token versions and generator state, and the next `run(..., resume=unfinished)`
 re-submits prompt + partial completion as a new request that keeps sampling. Its prefix-cache
@@ -238,8 +238,8 @@ class Rollouts:
     def run(self, prompts: Sequence, K: int, *, stop_fraction: float = 1.0, resume: Sequence[Trajectory] = (),
             seed: int = 0) -> RolloutBatch:
         """Sample K completions of each prompt (token ids, `Prompt`s or XTML `Rendered`s), after
-        resuming `resume`, until ceil(stop_fraction * N * K) trajectories have finished (resumed
-        ones count; with no new prompts, until all resumed ones have); the rest come back
+        resuming `resume`, until ceil(stop_fraction * (resumed + N * K)) trajectories have finished
+        (with no new prompts, until all resumed ones have); the rest come back
         unfinished. `seed` names this call's trajectories: use a new one per iteration."""
         if not 0.0 < stop_fraction <= 1.0:
             raise ValueError(f"stop_fraction must be in (0, 1], got {stop_fraction}")
@@ -253,7 +253,7 @@ class Rollouts:
         if len({t.uid for t in everything}) != len(everything):
             raise ValueError("duplicate trajectory uids: resume each unfinished trajectory once, and give "
                              "each run a new seed")
-        target = min(len(everything), math.ceil(stop_fraction * len(new))) if new else len(everything)
+        target = min(len(everything), math.ceil(stop_fraction * len(everything))) if new else len(everything)
         training = self.model.training
         self.model.eval()
         try:

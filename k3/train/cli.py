@@ -25,7 +25,8 @@ _DEFAULTS = TrainSettings()
 
 def add_optimizer_arguments(p: argparse.ArgumentParser, d) -> None:
     """The step's flags shared by every training verb; `d` holds the verb's defaults."""
-    p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
+    if hasattr(d, "grad_accum"):  # RL verbs split their forwards by tokens instead
+        p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
     p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW (default {d.lr})")
     p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
     if hasattr(d, "optimizer"):  # a verb whose settings choose the optimizer

@@ -153,6 +153,7 @@ def model_config(config: str, overrides: dict) -> K3Config:
 class Trainer:
     SETTINGS = TrainSettings
     OPTIONAL_STRINGS = ("data", "out", "cache_dir")  # settings that are None or a string
+    OPTIONAL_FLOATS: tuple[str, ...] = ()  # settings that are None or a number
 
     def __init__(self, settings: TrainSettings, *, resume: bool = False, progress: bool = True, log=print):
         self._created = time.perf_counter()  # wall time counts setup too (tokenizer, tokenization)
@@ -310,6 +311,8 @@ class Trainer:
                 ok = isinstance(value, list) and all(isinstance(p, str) for p in value)
             elif name in cls.OPTIONAL_STRINGS:
                 ok = value is None or isinstance(value, str)
+            elif name in cls.OPTIONAL_FLOATS:
+                ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
             elif name in ("eval_windows", "dp"):
                 ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
             elif isinstance(default, bool):
@@ -413,6 +416,11 @@ class Trainer:
         return [{"kind": "sample", "step": self.step, "prompt": p, "text": self.tokenizer.decode(o)}
                 for p, o in zip(self.s.sample_prompts, outs)]
 
+    def eval_line(self, ev: dict) -> str:
+        """The progress line an eval record prints."""
+        return (f"step {self.step}: val loss {ev['val_loss']:.4f}, val bpb {ev['val_bpb']:.4f} "
+                f"({ev['val_tokens']:,} held-out tokens)")
+
     # ------------------------------------------------------------------ the loop
     def _save(self) -> Path:
         state = {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "data_position": self.step * self.s.batch_size,
@@ -449,8 +457,7 @@ class Trainer:
                     self._record([ev, *self.samples()])
                     self.elapsed += time.perf_counter() - t1
                     if bar is not None:
-                        bar.write(f"step {self.step}: val loss {ev['val_loss']:.4f}, val bpb {ev['val_bpb']:.4f} "
-                                  f"({ev['val_tokens']:,} held-out tokens)")
+                        bar.write(self.eval_line(ev))
                 if self.step % s.ckpt_every == 0 or self.step == s.steps:
                     t1 = time.perf_counter()
                     last_ckpt = self._save()

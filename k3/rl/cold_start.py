@@ -1,0 +1,77 @@
+"""Cold-start SFT data for the RL domains: each task's prompt and its reference episode
+(k3/rl/domains.py) as OpenAI-style conversations, so the SFT model RL starts from has seen the
+domains' formats (seeds §6.1.1: SFT precedes RL). Written as a JSONL for `k3 sft --data`:
+
+    python -m k3.rl.cold_start data/cold.jsonl --domains arithmetic,strings,tool --size 200
+    k3 sft --run runs/k3-tiny-<ts> --data data/cold.jsonl --steps 120
+
+The episodes are drawn from the domains' training split (never a held-out problem, by the split),
+at indices from COLD_START_OFFSET on, away from an RL run's pool indices 0..pool-1; small problem
+spaces (one-digit arithmetic) still repeat some pool problems, which is fine for training prompts.
+The embedded default SFT set's training conversations (tool use, plain answers) are mixed in.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from k3.rl.domains import make_domain
+from k3.sft import default_set
+
+COLD_START_OFFSET = 1_000_000
+
+
+def parse_domains(text: str) -> list[str]:
+    """'arithmetic,strings' -> ['arithmetic', 'strings'] (ValueError naming an unknown one)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--domains needs at least one domain name")
+    for n in names:
+        make_domain(n)  # raises on an unknown name
+    return names
+
+
+def conversations(domains: Sequence[str], n: int, seed: int = 0, default_size: int = 0) -> list[dict]:
+    """`n` reference episodes of each domain, interleaved domain by domain, then `default_size`
+    conversations of the default SFT set's training split spread evenly among them."""
+    per = [make_domain(name, seed).tasks("train", n, start=COLD_START_OFFSET) for name in domains]
+    out = [{"messages": t.messages + t.reference, "tools": t.tools} if t.tools else
+           {"messages": t.messages + t.reference}
+           for i in range(n) for t in (tasks[i] for tasks in per)]
+    extra = default_set.conversations("train", default_size, seed)
+    if extra:
+        every = max(1, len(out) // len(extra))
+        mixed = []
+        for i, c in enumerate(out):
+            mixed.append(c)
+            if i % every == every - 1 and extra:
+                mixed.append(extra.pop(0))
+        out = mixed + extra
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3.rl.cold_start", description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="the JSONL to write (for `k3 sft --data`)")
+    ap.add_argument("--domains", default="arithmetic,strings,tool")
+    ap.add_argument("--size", type=int, default=200, help="reference episodes per domain (default 200)")
+    ap.add_argument("--default-set", type=int, default=320,
+                    help="conversations of the embedded default SFT set mixed in (default 320)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        domains = parse_domains(args.domains)
+        if args.size < 1 or args.default_set < 0:
+            raise ValueError("--size must be >= 1 and --default-set >= 0")
+    except ValueError as e:
+        print(f"cold_start: error: {e}", file=sys.stderr)
+        return 2
+    convs = conversations(domains, args.size, args.seed, args.default_set)
+    default_set.write_jsonl(args.out, convs)
+    print(f"wrote {len(convs)} conversations to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""`k3 distill`: merge RL experts into one student by multi-teacher on-policy distillation (MOPD)."""
+from __future__ import annotations
+
+import argparse
+
+from k3.checkpoint.training_state import ResumeStateError
+from k3.rl.cli import add_rl_arguments, settings_from
+from k3.rl.distill import DistillSettings, DistillTrainer
+from k3.train.cli import train_verb
+from k3.train.trainer import TrainError
+
+_DEFAULTS = DistillSettings()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--run", dest="init_run", metavar="RUN_DIR", help="the student starts from this run (a `k3 sft` run)")
+    start.add_argument("--model", dest="init_model", metavar="CHECKPOINT_DIR", help="the student starts from this checkpoint")
+    start.add_argument("--resume", metavar="DISTILL_RUN_DIR", help="continue a distillation run from its latest checkpoint")
+    p.add_argument("--teachers", nargs="+", metavar="RL_RUN_DIR",
+                   help="`k3 rl` runs, one per (domain, effort); each scores the student's tokens on its own prompts")
+    p.add_argument("--pool", type=int, help=f"training prompts per teacher, cycled (default {d.pool})")
+    add_rl_arguments(p, d)
+
+
+def run(args) -> int:
+    done = train_verb("distill", args, DistillTrainer, lambda a: settings_from(a, _DEFAULTS, DistillSettings),
+                      (TrainError, ResumeStateError))
+    if isinstance(done, int):
+        return done
+    trainer, result = done
+    held = [r for r in trainer.metrics.read() if r["kind"] == "heldout"]
+    if trainer.world.is_main and held:
+        last = held[-1]
+        lines = [f"\nDistillation run saved to {result['run_dir']} ({result['elapsed'] / 60:.1f} min)"]
+        for t in trainer.teachers:
+            e = last["experts"][t.name]
+            teacher = f"{t.accuracy:.1%}" if t.accuracy is not None else "-"
+            lines.append(f"  {t.name}: student {e['accuracy']:.1%} (teacher {teacher}), mean length {e['mean_length']:.1f}")
+        lines += [f"  checkpoint {result['checkpoint']}", f"  report {result['run_dir']}/report.md"]
+        print("\n".join(lines))
+    return 0

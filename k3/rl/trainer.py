@@ -1,0 +1,512 @@
+"""`k3 rl`: one RL expert (a domain at an effort level) by group-relative policy gradient, with
+partial rollout and effort budgets (seeds §6.1.2), on the pretraining Trainer's machinery.
+
+One iteration = one optimizer step:
+1. Rollout (k3/rl/rollout.py, the serving engine in process over the trainer's own model, QAT
+   included): N training prompts x K samples, after resuming last iteration's unfinished
+   trajectories. With stop_fraction (lambda) < 1 the rollout pauses once ceil(lambda N K)
+   trajectories have finished; the rest keep their tokens, behaviour log-probs, per-token policy
+   versions and generator state and are resumed first next iteration. A tool episode takes several
+   turns: a finished turn that called a tool becomes a new trajectory whose prompt holds the tool
+   results (k3/rl/domains.py), resumed like any unfinished one (lambda = 1 runs it to the end now).
+2. Reward: a finished episode is verified (domain verifier), its length T(y) measured, and
+   `shaped_reward` gives -1 beyond tau * b0(x) (k3/rl/effort.py), else 1 / 0 for right / wrong.
+3. Advantage: reward minus the mean reward of its group's episodes finished so far (this iteration's
+   and earlier ones': partial rollout finishes a group over several iterations), applied to every
+   sampled token of every turn of the episode.
+4. Loss: the per-token clipped ratio against the behaviour log-probs plus an optional k3 KL to the
+   init model (k3/rl/objective.py), token-averaged over the iteration; Per-Head Muon / AdamW, the
+   schedule, the expert-balance update, exactly as `k3 train`.
+
+Budgets b0(x): measured once at the start from the init (SFT) model's sampled episodes of every
+training-pool and held-out task (`budget_samples` each), or read from `--budgets` (a `max` expert's
+budgets.json, so `high` and `low` derive from the same b0). Kept in the run as budgets.json.
+
+Exact resume: the checkpoint holds the model, optimizer, schedule, the unfinished and held
+trajectories (with generator states) and the group rewards; the data of an iteration is a function
+of (seed, step). The engine's prefix cache is dropped right after each checkpoint, so the iteration
+after it starts from an empty cache whether or not the run was killed: a resumed run replays the
+uninterrupted one bit for bit.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3.checkpoint import training_state as ckpt
+from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
+from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
+from k3.config import K3Config
+from k3.model.transformer import K3ForCausalLM
+from k3.rl.domains import DOMAIN_CLASSES, Task, continue_with_tool_results, make_domain, needs_another_turn
+from k3.rl.effort import EFFORTS, Budget, cold_start_budgets, length_of, load_budgets, save_budgets, shaped_reward
+from k3.rl.episodes import parse_reply, run_episodes, summarize
+from k3.rl.objective import ObjectiveConfig, pack_trajectories, policy_loss, token_logprobs
+from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
+from k3.serve.engine import EngineConfig
+from k3.text.tokenizer import load_tokenizer, save_tokenizer
+from k3.text.xtml import XTML
+from k3.train.balance import balance_step
+from k3.train.errors import TrainError
+from k3.train.muon import OPTIMIZERS
+from k3.train.packing import windows_for_step
+from k3.train.parallel import clip_grad_norm_
+from k3.train.trainer import BALANCE_RULES, Trainer
+
+BUDGETS_FILE = "budgets.json"
+HELDOUT_FILE = "heldout.jsonl"
+TRAIN_ROW_TOKENS = 8192  # tokens per packed training forward (micro-batch)
+BUDGET_BATCH = 128  # episodes per batch when measuring cold-start budgets
+
+
+@dataclass
+class RLSettings:
+    """Everything that defines an RL run (saved as run.json; `--resume` reads it back)."""
+    init: str = ""  # an SFT (or RL) run folder, its latest checkpoint, or a checkpoint folder
+    domain: str = "arithmetic"  # arithmetic | strings | tool (k3/rl/domains.py)
+    domain_options: dict = field(default_factory=dict)  # max_level, tail, digits (arithmetic), n_tools (tool)
+    effort: str = "max"  # low | high | max: the XTML effort message and the default tau
+    tau: float | None = None  # budget multiple; None: the effort level's (max 2, high 1, low 0.5)
+    budgets: str | None = None  # a budgets.json to use (a max expert's); None: the init run's, else measured
+    out: str | None = None  # run folder; None: runs/rl-<domain>-<effort>-<timestamp>
+    steps: int = 40  # iterations, one optimizer step each
+    prompts: int = 8  # N: new prompts per iteration
+    samples: int = 8  # K: completions per prompt (the advantage group)
+    stop_fraction: float = 1.0  # lambda: pause the rollout once this share of N*K has finished
+    temperature: float = 1.0
+    max_tokens: int = 96  # per assistant turn
+    pool: int = 128  # training prompts, cycled (each has a cold-start budget)
+    heldout: int = 64  # held-out prompts evaluated (greedy)
+    budget_samples: int = 4  # SFT samples per prompt for b0(x)
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.0  # weight of the per-token k3 KL to the init model
+    normalize_std: bool = False  # divide advantages by the group's reward std
+    lr: float = 5e-4
+    min_lr_ratio: float = 1.0  # constant after warmup
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    optimizer: str = "per-head-muon"
+    balance: str = "quantile"
+    qat: bool = False
+    batch_invariant: bool = False  # rollout and trainer in k3.ops.batch_invariant's arithmetic (CPU)
+    compile: bool = False
+    eval_every: int = 10
+    ckpt_every: int = 10
+    keep: int = 2
+    keep_all_state: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    cache_dir: str | None = None
+
+    @property
+    def tau_value(self) -> float:
+        return self.tau if self.tau is not None else EFFORTS[self.effort].tau
+
+
+def _validate(s: RLSettings, world_size: int) -> None:
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise TrainError(msg)
+
+    need(bool(s.init), "an initial checkpoint is required: --run RUN_DIR or --model CHECKPOINT_DIR")
+    need(world_size == 1, "k3 rl runs in one process (the rollout engine drives the whole model); "
+                          "launch it without torchrun")
+    need(s.domain in DOMAIN_CLASSES, f"domain must be one of {', '.join(DOMAIN_CLASSES)}, got {s.domain!r}")
+    need(s.effort in EFFORTS, f"effort must be one of {', '.join(EFFORTS)}, got {s.effort!r}")
+    need(s.tau is None or s.tau > 0, f"tau must be > 0, got {s.tau}")
+    need(s.steps >= 1 and s.prompts >= 1, "steps and prompts must be >= 1")
+    need(s.samples >= 2, f"samples per prompt must be >= 2 (the group is the baseline), got {s.samples}")
+    need(0 < s.stop_fraction <= 1, f"stop fraction must be in (0, 1], got {s.stop_fraction}")
+    need(s.temperature > 0, f"temperature must be > 0 (rollouts sample), got {s.temperature}")
+    need(s.max_tokens >= 1 and s.pool >= 1 and s.heldout >= 1 and s.budget_samples >= 1,
+         "max tokens, pool, heldout and budget samples must be >= 1")
+    need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
+    need(0 < s.min_lr_ratio <= 1, f"min lr ratio must be in (0, 1], got {s.min_lr_ratio}")
+    need(s.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {s.optimizer!r}")
+    need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
+    need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
+    need(not (s.batch_invariant and s.device != "cpu"), "--batch-invariant runs on CPU only")
+    try:
+        ObjectiveConfig(s.eps_low, s.eps_high, s.kl_coef)
+        make_domain(s.domain, s.seed, **s.domain_options)
+    except (ValueError, TypeError) as e:
+        raise TrainError(str(e)) from None
+
+
+# ---- trajectories in a checkpoint (JSON: floats round-trip exactly through repr)
+
+def _dump(t: Trajectory) -> dict:
+    d = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name not in ("rng_state", "segments")}
+    d["boundaries"] = list(t.boundaries)
+    d["segments"] = [dataclasses.astuple(x) for x in t.segments]
+    d["rng_state"] = None if t.rng_state is None else base64.b64encode(t.rng_state.numpy().tobytes()).decode()
+    return d
+
+
+def _load(d: dict) -> Trajectory:
+    d = dict(d)
+    rng = d.pop("rng_state")
+    segments = [Segment(*x) for x in d.pop("segments")]
+    t = Trajectory(**{**d, "boundaries": tuple(d["boundaries"])}, segments=segments)
+    if rng is not None:
+        t.rng_state = torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8).clone()
+    return t
+
+
+def _seed_of(uid: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"k3-rl-turn/{uid}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+class RLTrainer(Trainer):
+    SETTINGS = RLSettings
+    OPTIONAL_STRINGS = ("budgets", "out", "cache_dir")
+    OPTIONAL_FLOATS = ("tau",)
+
+    @staticmethod
+    def default_run_name(settings) -> str:
+        return f"rl-{settings.domain}-{settings.effort}"
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self, settings: RLSettings, resume: bool) -> None:
+        _validate(settings, self.world.size)
+        self._prepare_run_dir(settings, resume)
+        own = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
+        try:
+            self.init_checkpoint = resolve_checkpoint(settings.init)
+            if own is not None:  # resume: _setup_model loads the run's own checkpoint into it
+                model = K3ForCausalLM(K3Config.from_dict(read_json(own / "config.json")))
+            else:
+                model = load_pretrained(self.init_checkpoint)
+        except (FileNotFoundError, CheckpointError, ValueError) as e:
+            raise TrainError(f"cannot load the initial checkpoint: {e}") from None
+        self.tokenizer = load_tokenizer(self.run_dir if resume else self.init_checkpoint)
+        self._adopt_tokenizer(model.config)
+        try:
+            self.chat = XTML(self.tokenizer)
+        except ValueError as e:
+            raise TrainError(f"{settings.init}: {e}; RL needs a chat model (a `k3 sft` run)") from None
+        self.domain = make_domain(settings.domain, settings.seed, **settings.domain_options)
+        self.pool: list[Task] = self.domain.tasks("train", settings.pool)
+        self.heldout_tasks: list[Task] = self.domain.heldout(settings.heldout)
+        self.objective = ObjectiveConfig(settings.eps_low, settings.eps_high, settings.kl_coef)
+        budgets = self._given_budgets(settings) if not resume else None
+        self._write_run_files(settings, resume)
+        self._setup_model(model, resume=False)
+        self.ref_model = None
+        if settings.kl_coef > 0:
+            self.ref_model = load_pretrained(self.init_checkpoint).to(self.world.device).eval().requires_grad_(False)
+        self.budgets = self._budgets(budgets)
+        self.rollouts = Rollouts(self.model, EngineConfig(batch_invariant=settings.batch_invariant, seed=settings.seed,
+                                                          cuda_graphs=False),
+                                 xtml=self.chat, temperature=settings.temperature, max_tokens=settings.max_tokens)
+        self.unfinished: list[Trajectory] = []  # resumed first next iteration
+        self.held: dict[str, list[Trajectory]] = {}  # episode -> its finished turns, while a later turn runs
+        self.group_rewards: dict[str, list[float]] = {}  # group -> rewards of its finished episodes
+        self.last_episodes: list = []
+        if resume:
+            self._restore_latest()
+
+    def _setup_model(self, model, resume: bool) -> None:
+        super()._setup_model(model, resume)
+        self.model.train()
+
+    def _given_budgets(self, s: RLSettings) -> dict[str, Budget] | None:
+        """b0 from --budgets, else from the init run's budgets.json when it trained the same domain."""
+        path = Path(s.budgets) if s.budgets else None
+        if path is None:
+            init = Path(s.init)
+            candidate = init / BUDGETS_FILE if (init / BUDGETS_FILE).is_file() else None
+            if candidate is not None and self._same_domain(init):
+                path = candidate
+        if path is None:
+            return None
+        try:
+            budgets = load_budgets(path)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        missing = [t.id for t in self.pool + self.heldout_tasks if t.id not in budgets]
+        if missing:
+            raise TrainError(f"{path} has no budget for {len(missing)} of this run's tasks (e.g. {missing[0]}): "
+                             "it was measured for another domain, seed or pool")
+        return budgets
+
+    def _same_domain(self, run: Path) -> bool:
+        try:
+            other = json.loads((run / "run.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return all(other.get(k) == getattr(self.s, k) for k in ("domain", "domain_options", "seed"))
+
+    def _budgets(self, given: dict[str, Budget] | None) -> dict[str, Budget]:
+        path = self.run_dir / BUDGETS_FILE
+        if path.is_file():
+            return load_budgets(path)
+        if given is None:
+            given = self._measure_budgets()
+        save_budgets(path, given.values())
+        return given
+
+    def _measure_budgets(self) -> dict[str, Budget]:
+        """b0(x) of every pool and held-out task: the median T(y) of the init model's correct samples."""
+        s = self.s
+        tasks = self.pool + self.heldout_tasks
+        repeated = [t for t in tasks for _ in range(s.budget_samples)]
+        self.log(f"measuring cold-start budgets: {len(repeated)} sampled episodes of the init model ...")
+        samples: dict[str, list[tuple[bool, int]]] = {t.id: [] for t in tasks}
+        for start in range(0, len(repeated), BUDGET_BATCH):
+            chunk = repeated[start:start + BUDGET_BATCH]
+            for e in run_episodes(self.model, self.chat, chunk, "max", s.max_tokens, temperature=s.temperature,
+                                  seed=s.seed * 7919 + start):
+                samples[e.task.id].append((e.score.correct, e.length))
+        budgets = cold_start_budgets(samples, s.domain)
+        solved = sum(b.n_correct > 0 for b in budgets.values())
+        self.log(f"budgets: {solved} of {len(budgets)} prompts solved at least once by the init model")
+        return budgets
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self) -> Path:
+        state = {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "world_size": 1,
+                 "settings": dataclasses.asdict(self.s), "unfinished": [_dump(t) for t in self.unfinished],
+                 "held": {k: [_dump(t) for t in v] for k, v in self.held.items()},
+                 "group_rewards": self.group_rewards}
+        path = ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer,
+                                    self.scheduler, state, self.save_tokenizer_to, keep=self.s.keep,
+                                    keep_all_state=self.s.keep_all_state)
+        self.rollouts.reset_cache()  # the next iteration starts as a resumed run would: exact resume
+        return path
+
+    def _restore_latest(self) -> None:
+        super()._restore_latest()
+        found = latest_checkpoint(self.run_dir / "checkpoints")
+        if found is None:
+            return
+        state = json.loads((found / ckpt.TRAINER_STATE).read_text())
+        self.unfinished = [_load(d) for d in state["unfinished"]]
+        self.held = {k: [_load(d) for d in v] for k, v in state["held"].items()}
+        self.group_rewards = state["group_rewards"]
+        self.rollouts.policy_version = self.step
+
+    # ------------------------------------------------------------------ one iteration
+    def _new_prompts(self, limit: int) -> list[Prompt]:
+        """At most `limit` of this iteration's training prompts (a function of seed and step)."""
+        s = self.s
+        out = []
+        for i in windows_for_step(len(self.pool), s.seed, self.step, s.prompts)[:limit]:
+            r = self.pool[i].render(self.chat, None, s.effort)
+            out.append(Prompt(tuple(r.token_ids), tuple(r.boundaries), tag={"task": i, "turn": 1}))
+        return out
+
+    def task_of(self, tag: dict) -> tuple[Task, str]:
+        """The task a trajectory's tag names, and the effort level it is rendered at."""
+        return self.pool[tag["task"]], self.s.effort
+
+    def prompts_per_iteration(self) -> int:
+        return self.s.prompts
+
+    def _reply(self, t: Trajectory):
+        task, effort = self.task_of(t.tag)
+        rendered = task.render(self.chat, t.tag.get("messages"), effort)
+        return task, parse_reply(self.chat, rendered, t.completion_ids)
+
+    def _continuation(self, t: Trajectory, episode: str, task: Task, reply) -> Trajectory:
+        """The next turn of a tool episode: the history with the tool results, as a fresh trajectory."""
+        history = continue_with_tool_results(task, reply, t.tag.get("messages"))
+        r = task.render(self.chat, history, self.task_of(t.tag)[1])
+        turn = t.tag["turn"] + 1
+        uid = f"{episode}+{turn}"
+        return Trajectory(uid, t.group_id, t.group, t.sample, list(r.token_ids), _seed_of(uid), self.s.max_tokens,
+                          tuple(r.boundaries), {**t.tag, "turn": turn, "episode": episode, "messages": history})
+
+    def rollout(self) -> tuple[list[tuple[Task, list[Trajectory]]], dict]:
+        """One iteration's rollout: the episodes it completed (task, turns) and rollout stats."""
+        s = self.s
+        carry = self.unfinished
+        # partial rollout keeps at most one iteration's N * K trajectories in flight: new prompts
+        # top the resumed ones up to it, so the paused backlog and its staleness stay bounded
+        capacity = self.prompts_per_iteration() * s.samples
+        prompts = self._new_prompts(max(0, (capacity - len(carry)) // s.samples))
+        self.unfinished = []
+        completed = []
+        stats = {"rollout_tokens": 0, "prefix_hits": 0, "resumed": len(carry), "new": len(prompts) * s.samples}
+        seed = s.seed * 1_000_003 + self.step + 1
+        while True:
+            batch = self.rollouts.run(prompts, s.samples, stop_fraction=s.stop_fraction, resume=carry, seed=seed)
+            stats["rollout_tokens"] += batch.new_tokens
+            stats["prefix_hits"] += batch.prefix_hits
+            prompts, continuations = [], []
+            for t in batch.finished:
+                episode = t.tag.get("episode", t.uid)
+                turns = self.held.pop(episode, []) + [t]
+                task, reply = self._reply(t)
+                if t.finish_reason == "stop" and needs_another_turn(task, reply, t.tag["turn"]):
+                    self.held[episode] = turns
+                    continuations.append(self._continuation(t, episode, task, reply))
+                else:
+                    completed.append((task, turns))
+            carry = continuations + batch.unfinished
+            if s.stop_fraction < 1 or not carry:  # lambda = 1: every episode runs to its end now
+                self.unfinished = carry
+                return completed, stats
+
+    def reward(self, task: Task, turns: list[Trajectory]) -> tuple[float, bool, int]:
+        """An episode's shaped reward, whether it is correct, and its T(y)."""
+        score = task.verify([self._reply(t)[1] for t in turns])
+        length = length_of([t.completion_ids for t in turns], task.domain, self.chat)
+        return shaped_reward(score.correct, length, self.budgets[task.id].b0, self.s.tau_value), score.correct, length
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        completed, stats = self.rollout()
+        t_rollout = time.perf_counter() - t0
+        trained, advantages, record = self.score(completed)
+        metrics = self.optimize(trained, advantages)
+        return {"kind": "train", "step": self.step, **metrics, **record, "episodes": len(completed),
+                "unfinished": len(self.unfinished), "held": sum(len(v) for v in self.held.values()),
+                "rollout_s": round(t_rollout, 2), "step_tokens": metrics["trained_tokens"] + stats["rollout_tokens"],
+                "prefix_hits": stats["prefix_hits"], "resumed": stats["resumed"], "new": stats["new"]}
+
+    def score(self, completed: list[tuple[Task, list[Trajectory]]]) -> tuple[list[Trajectory], list[float], dict]:
+        """Rewards of the completed episodes and the group-relative advantage of each of their turns."""
+        s, tau = self.s, self.s.tau_value
+        rewards, correct, lengths, within = [], [], [], []
+        for task, turns in completed:
+            r, ok, length = self.reward(task, turns)
+            rewards.append(r)
+            correct.append(ok)
+            lengths.append(length)
+            within.append(length <= tau * self.budgets[task.id].b0)
+            self.group_rewards.setdefault(turns[0].group_id, []).append(r)
+        trained, advantages = [], []
+        for (task, turns), r in zip(completed, rewards):
+            group = self.group_rewards[turns[0].group_id]
+            mean = sum(group) / len(group)
+            a = r - mean
+            if s.normalize_std and len(group) > 1:
+                std = (sum((x - mean) ** 2 for x in group) / len(group)) ** 0.5
+                a = a / (std + 1e-6)
+            for t in turns:
+                trained.append(t)
+                advantages.append(a if len(group) > 1 else 0.0)
+        for g in [g for g, v in self.group_rewards.items() if len(v) >= s.samples]:
+            del self.group_rewards[g]  # every episode of the group has trained
+        n = max(len(completed), 1)
+        return trained, advantages, {"reward": sum(rewards) / n, "accuracy": sum(correct) / n,
+                                     "mean_length": sum(lengths) / n, "within_budget": sum(within) / n}
+
+    def token_advantages(self, batch, row: list[Trajectory]) -> torch.Tensor:
+        """Each position's advantage (RL: its trajectory's, as packed)."""
+        return batch.advantages
+
+    def optimize(self, trained: list[Trajectory], advantages: list[float]) -> dict:
+        """One optimizer step on the trained trajectories: the clipped per-token objective, token-averaged."""
+        s, device = self.s, self.world.device
+        version = self.rollouts.policy_version
+        total = sum(len(t.completion_ids) for t in trained)
+        metrics: dict[str, float] = {}
+        self.model.train()
+        for row, adv in self._rows(trained, advantages):
+            batch = pack_trajectories(row, adv).to(device)
+            batch.advantages = self.token_advantages(batch, row)
+            logp, entropy = token_logprobs(self.model, batch, temperature=s.temperature, with_entropy=True,
+                                           batch_invariant=s.batch_invariant)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self.ref_model, batch, temperature=s.temperature,
+                                         batch_invariant=s.batch_invariant)
+            loss, m = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.mask, self.objective,
+                                  seq_ids=batch.seq_ids, ref_logprobs=ref, entropy=entropy, num_tokens=total)
+            loss.backward()
+            w = m["tokens"] / max(total, 1)
+            stale = float((version - batch.versions[batch.mask]).float().sum())
+            for k, v in m.items():
+                if k in ("loss", "pg_loss"):
+                    metrics[k] = metrics.get(k, 0.0) + v
+                elif k == "ratio_max":
+                    metrics[k] = max(metrics.get(k, 0.0), v)
+                elif k != "tokens":
+                    metrics[k] = metrics.get(k, 0.0) + v * w
+            metrics["staleness"] = metrics.get("staleness", 0.0) + stale / max(total, 1)
+        grad_norm = clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
+        self.step += 1
+        self.rollouts.policy_version = self.step
+        self.tokens_seen += total
+        return {"loss": metrics.pop("loss", 0.0), "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens_seen,
+                "trained_tokens": total, **{k: round(v, 6) for k, v in metrics.items()}}
+
+    @staticmethod
+    def _rows(trajectories: list[Trajectory], advantages: list[float]):
+        """Micro-batches of at most TRAIN_ROW_TOKENS tokens (a longer trajectory alone)."""
+        row, adv, size = [], [], 0
+        for t, a in zip(trajectories, advantages):
+            n = len(t.prompt_ids) + len(t.completion_ids)
+            if row and size + n > TRAIN_ROW_TOKENS:
+                yield row, adv
+                row, adv, size = [], [], 0
+            row.append(t)
+            adv.append(a)
+            size += n
+        if row:
+            yield row, adv
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self, max_windows: int | None = None) -> dict:
+        """Greedy held-out episodes: accuracy, mean T(y), share within tau * b0(x)."""
+        s = self.s
+        episodes = run_episodes(self.model, self.chat, self.heldout_tasks, s.effort, s.max_tokens)
+        self.last_episodes = episodes
+        self.model.train()
+        return {"kind": "heldout", "step": self.step, **summarize(episodes, self.budgets, s.tau_value)}
+
+    def eval_line(self, ev: dict) -> str:
+        return (f"step {self.step}: held-out accuracy {ev['accuracy']:.1%}, mean length {ev['mean_length']:.1f}, "
+                f"within budget {ev['within_budget']:.1%} ({ev['episodes']} prompts)")
+
+    def samples(self, temperature: float = 0.0, top_p: float = 1.0) -> list[dict]:
+        return [{"kind": "sample", "step": self.step, "prompt": e.task.messages[-1]["content"],
+                 "text": "\n" + "\n".join(self.tokenizer.decode(t, skip_special_tokens=False) for t in e.turns)}
+                for e in self.last_episodes[:2]]
+
+    # ------------------------------------------------------------------ outputs
+    def train(self) -> dict:
+        if self.step == 0:  # the init model's held-out figures: the baseline the run is judged against
+            ev = self.evaluate()
+            self._record([ev, *self.samples()])
+            self.log(self.eval_line(ev))
+        result = super().train()
+        if self.world.is_main:
+            self.write_heldout()
+        return result
+
+    def write_heldout(self) -> None:
+        """heldout.jsonl: the last evaluation's episodes, one per line."""
+        tau = self.s.tau_value
+        with (self.run_dir / HELDOUT_FILE).open("w") as f:
+            for e in self.last_episodes:
+                f.write(json.dumps(e.record(self.tokenizer, self.budgets[e.task.id], tau)) + "\n")
+
+    def write_outputs(self, records: list[dict], checkpoint: Path | None) -> None:
+        from k3.rl.report import plot_rl, write_rl_report
+
+        plot_rl(records, self.run_dir, title=f"{self.run_dir.name}: {self.s.domain} at {self.s.effort} effort")
+        write_rl_report(self.run_dir, settings=dataclasses.asdict(self.s), params=self.params, records=records,
+                        wall_time_s=self.elapsed, checkpoint=checkpoint, tau=self.s.tau_value)
+
+    def save_tokenizer_to(self, folder: Path) -> None:
+        from k3.text.chat_template import CHAT_TEMPLATE
+
+        save_tokenizer(self.tokenizer, folder, chat_template=CHAT_TEMPLATE)

@@ -1,0 +1,125 @@
+"""`k3 rl` end to end on a very small model: iterations train, partial rollout loses and duplicates
+no episode, a run killed mid-iteration (with paused trajectories) resumes bit for bit, tool
+episodes continue with their tool results, and bad settings are refused in one line."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+import k3.rl.trainer as rl_trainer
+from k3.rl.domains import continue_with_tool_results
+from k3.rl.rollout import Trajectory
+from k3.rl.trainer import RLSettings, RLTrainer
+from k3.train.errors import TrainError
+from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.helpers.train import quiet, trained_tiny_run
+
+
+@pytest.fixture(scope="module")
+def init_run(tmp_path_factory) -> Path:
+    return trained_tiny_run(tmp_path_factory.mktemp("pre"))
+
+
+@pytest.fixture
+def varied_rewards(monkeypatch):
+    """An untrained model never answers right: give each episode a reward from a hash of its
+    tokens, so advantages are not all zero and the gradient path runs."""
+    def reward(self, task, turns):
+        digest = hashlib.sha256(str([t.completion_ids for t in turns]).encode()).digest()
+        return float(digest[0] % 3 - 1), False, sum(len(t.completion_ids) for t in turns)
+
+    monkeypatch.setattr(RLTrainer, "reward", reward)
+
+
+def settings(init: Path, out: Path, **changes) -> RLSettings:
+    base = RLSettings(init=str(init), out=str(out), steps=4, prompts=2, samples=2, max_tokens=12, pool=4, heldout=2,
+                      budget_samples=1, eval_every=2, ckpt_every=2, stop_fraction=0.5, temperature=1.5)
+    return dataclasses.replace(base, **changes)
+
+
+def records(run: Path, kind: str) -> list[dict]:
+    out = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("rollout_s", "elapsed", "tok_per_s")} for r in out if r["kind"] == kind]
+
+
+def rl(s: RLSettings, resume: bool = False) -> dict:
+    trainer = RLTrainer.from_run(s.out, progress=False, log=quiet) if resume else RLTrainer(s, progress=False, log=quiet)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def test_partial_rollout_run_resumes_exactly_and_keeps_every_episode(init_run, tmp_path, varied_rewards):
+    s = settings(init_run, tmp_path / "a")
+    rl(s)
+    straight = records(tmp_path / "a", "train")
+    assert any(r["loss"] != 0 for r in straight) and any(r["unfinished"] for r in straight)
+    assert any(r["resumed"] for r in straight) and max(r["staleness"] for r in straight) > 0
+    # every episode created trained exactly once or is still paused at the end; at most N * K in flight
+    assert sum(r["episodes"] for r in straight) + straight[-1]["unfinished"] == sum(r["new"] for r in straight)
+    assert all(r["resumed"] + r["new"] <= s.prompts * s.samples for r in straight)
+    for name in ("heldout.jsonl", "budgets.json", "loss.png", "report.md"):
+        assert (tmp_path / "a" / name).is_file()
+
+    killed = RLTrainer(settings(init_run, tmp_path / "b"), progress=False, log=quiet)
+    killed._record([killed.train_step(), killed.train_step()])
+    killed._save()  # the step-2 checkpoint, with paused trajectories in it
+    assert killed.unfinished
+    killed.train_step()  # killed during step 3
+    killed.close()
+    rl(settings(init_run, tmp_path / "b"), resume=True)
+    assert records(tmp_path / "b", "train")[2:] == straight[2:]  # bit for bit after the resume
+
+
+def test_synchronous_run_finishes_every_episode_and_resumes(init_run, tmp_path, varied_rewards):
+    s = settings(init_run, tmp_path / "s", stop_fraction=1.0, steps=2, tau=1.5)
+    rl(s)
+    for r in records(tmp_path / "s", "train"):
+        assert r["episodes"] == 4 and r["unfinished"] == 0 and r["staleness"] == 0
+    resumed = RLTrainer.from_run(tmp_path / "s", progress=False, log=quiet)  # run.json with a set tau reads back
+    try:
+        assert resumed.s == s and resumed.step == 2
+    finally:
+        resumed.close()
+
+
+def test_tool_episode_continues_with_the_tool_result(init_run, tmp_path):
+    trainer = RLTrainer(settings(init_run, tmp_path / "t", domain="tool", budget_samples=1, max_tokens=4),
+                        progress=False, log=quiet)
+    try:
+        task = trainer.pool[0]
+        call = next(m for m in task.reference if m.get("tool_calls"))
+        prompt = task.render(trainer.chat, None, "max").token_ids
+        whole = trainer.chat.render(task.messages + [call], tools=task.tools, reasoning_effort="max",
+                                    add_generation_prompt=False).token_ids
+        first = Trajectory("0/0/0", "0/0", 0, 0, list(prompt), 1, 64, tag={"task": 0, "turn": 1},
+                           completion_ids=whole[len(prompt):], finish_reason="stop")
+        _, reply = trainer._reply(first)
+        assert reply.tool_calls and not reply.errors
+        nxt = trainer._continuation(first, first.uid, task, reply)
+        history = continue_with_tool_results(task, reply)
+        assert nxt.prompt_ids == task.render(trainer.chat, history, "max").token_ids
+        assert nxt.tag["turn"] == 2 and nxt.group_id == first.group_id and not nxt.completion_ids
+        assert json.loads(json.dumps(rl_trainer._dump(nxt))) == rl_trainer._dump(nxt)  # checkpointable
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"domain": "poetry"}, "domain must be one of"),
+    ({"samples": 1}, "samples per prompt must be >= 2"),
+    ({"stop_fraction": 0.0}, "stop fraction must be in (0, 1]"),
+    ({"effort": "medium"}, "effort must be one of"),
+    ({"domain_options": {"colour": 1}}, "colour"),
+    ({"budgets": "/nonexistent/budgets.json"}, "not a budgets file"),
+])
+def test_bad_settings_are_one_line_errors(init_run, tmp_path, change, message):
+    with pytest.raises(TrainError, match=None) as e:
+        RLTrainer(settings(init_run, tmp_path / "x", **change), progress=False, log=quiet)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "x").exists()
