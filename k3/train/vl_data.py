@@ -1,14 +1,18 @@
-"""VL training data: generated scenes with questions -> token ids with image placeholders -> packed
-rows shared with text windows (SPEC §7: the tower trains from scratch with the LM on mixed data).
+"""VL training data: generated scenes with questions -> K3 chat conversations with image placeholders
+-> packed rows shared with text windows (SPEC §7: the tower trains from scratch with the LM on mixed data).
 
 A VL document is one scene of the shapes corpus (k3/data/shapes_corpus.py) and a few of its
-questions, each in the corpus's own prompt form (`render_prompt`, `render_example`):
-    bos <|media|> x n  "\\nQuestion: q1\\nAnswer:" " a1" eos  "\\nQuestion: q2\\nAnswer:" " a2" eos ...
-where n is the image's merged-row count (the processor's placeholder count) and the targets are the
-answer tokens and the eos after each (so generation stops there): the first question is exactly a
-held-out example's prompt, later ones reuse the image's tokens for more answers per scene. With
-`describe`, the document ends with the scene cell by cell ("\nScene: -, red circle, 7, ...") + eos,
-learned whole (an option: it did not speed up learning the questions, docs/VISION.md).
+questions as an XTML conversation (k3/text/xtml.py), rendered exactly as the server renders a chat
+request (no bos; with thinking on, the server's default, the thinking-effort system message first):
+    user: [the image's placeholders] q1      assistant: a1
+    user: q2                                 assistant: a2   ...
+The image part comes before the question's text, and only in the first user message, so the first
+turn up to the assistant's reply is token for token the prompt of `/v1/chat/completions` for one
+image + question request (`image`, then `text` content parts). The targets are the renderer's
+loss mask, as `k3 sft` learns: each reply after its generation prompt (the empty think channel's
+close, the response channel, the answer, the closing markers through `<|end_of_msg|>`).
+With `describe`, a last turn asks for the scene cell by cell ("Scene: -, red circle, 7, ...") and
+learns it whole (an option: it did not speed up learning the questions, docs/VISION.md).
 Scene i of a run is drawn from `random.Random(f"k3-vl/train/{seed}/{i}")` (the corpus's held-out split
 uses "k3-shapes/heldout/...", an independent stream), so a step's documents are a pure function of
 (seed, step) and resume needs no sampler state.
@@ -18,7 +22,9 @@ documents, one `cu_seqlens` segment each: no document sees another, text or imag
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 import torch
@@ -27,15 +33,22 @@ from tokenizers import Tokenizer
 
 from k3.data import shapes_corpus as corpus
 from k3.data.image_processor import ImageProcessor
+from k3.text.tokenizer import MIN_VOCAB_SIZE, SPECIAL_TOKENS, train_tokenizer
+from k3.text.xtml import IMAGE_PLACEHOLDER_TEXT, XTML, Rendered
 from k3.train.packing import IGNORE_INDEX, TokenStream, window
+
+DESCRIBE_QUESTION = "describe the scene cell by cell."
+# what a chat request's image part looks like to the renderer (it reads the part's type only)
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}
 
 
 @dataclass
 class VLDoc:
-    ids: np.ndarray  # [n] int64: bos, placeholders, questions and answers
-    mask: np.ndarray  # [n] bool: True on the tokens learned (answers and the eos after each)
+    ids: np.ndarray  # [n] int64: the rendered conversation, the image's placeholders included
+    mask: np.ndarray  # [n] bool: True on the tokens learned (each assistant reply after its generation prompt)
     pixel_values: torch.Tensor  # [L, 3, P, P] of its one image
     grid_thw: list[int]  # [t, h, w]
+    answers: int  # assistant replies learned (the VL loss is a mean over replies)
 
     @property
     def targets(self) -> int:
@@ -57,54 +70,65 @@ class VLBatch:
                                            self.pixel_values, self.grid_thws)))
 
 
+def user_message(question: str, image: bool) -> dict:
+    """A user turn as a chat request sends it: the image part (if any) first, then the question."""
+    return {"role": "user", "content": ([IMAGE_PART] if image else []) + [{"type": "text", "text": question}]}
+
+
+def conversation(qas: list[corpus.QA], description: str | None = None) -> list[dict]:
+    """The scene's questions as chat turns, the image in the first user message only."""
+    messages = []
+    for i, qa in enumerate(qas):
+        messages += [user_message(qa.question, image=i == 0), {"role": "assistant", "content": qa.answer}]
+    if description is not None:
+        messages += [user_message(DESCRIBE_QUESTION, image=False),
+                     {"role": "assistant", "content": description}]
+    return messages
+
+
 @dataclass
 class VLEncoder:
-    """Tokens and pixels of VL documents for one tokenizer and processor (encodings memoized: the
-    corpus has a few dozen distinct questions and answers)."""
+    """Tokens and pixels of VL documents and held-out prompts for one tokenizer and processor, in
+    the XTML form the server renders (`thinking` as the request's chat_template_kwargs)."""
     tokenizer: Tokenizer
     processor: ImageProcessor
-    bos_id: int
-    eos_id: int
     placeholder_id: int
-    _memo: dict = field(default_factory=dict, repr=False)
+    thinking: bool = True
+    chat: XTML = field(init=False, repr=False)
 
-    def encode(self, text: str) -> list[int]:
-        if text not in self._memo:
-            self._memo[text] = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return self._memo[text]
+    def __post_init__(self):
+        self.chat = XTML(self.tokenizer)  # ValueError naming the chat markers a tokenizer lacks
 
     def image(self, image: Image.Image) -> tuple[torch.Tensor, list[int], int]:
         return self.processor.preprocess_image(image)
 
+    def render(self, messages: list[dict], placeholders: int, generation_prompt: bool) -> Rendered:
+        return self.chat.render(messages, thinking=self.thinking, add_generation_prompt=generation_prompt,
+                                media=[[self.placeholder_id] * placeholders])
+
+    def prompt(self, question: str, placeholders: int) -> Rendered:
+        """A one-question request's prompt, ending with the assistant's generation prompt."""
+        return self.render([user_message(question, image=True)], placeholders, True)
+
     def prompt_ids(self, question: str, placeholders: int) -> list[int]:
-        """bos, the image's placeholders, then the corpus prompt's text after its image marker."""
-        before, marker, after = corpus.render_prompt(question).partition(corpus.IMAGE_PLACEHOLDER)
-        if not marker:
-            raise ValueError(f"the corpus prompt has no {corpus.IMAGE_PLACEHOLDER!r} marker")
-        return [self.bos_id, *self.encode(before), *[self.placeholder_id] * placeholders, *self.encode(after)]
+        return self.prompt(question, placeholders).token_ids
+
+    @property
+    def reply_overhead(self) -> int:
+        """Tokens of a reply besides its content: the markers from the generation prompt through end_of_msg."""
+        rendered = self.chat.render([user_message("?", image=False), {"role": "assistant", "content": ""}],
+                                    thinking=self.thinking, add_generation_prompt=False)
+        return sum(rendered.loss_mask)
 
     def document(self, image: Image.Image, qas: list[corpus.QA], description: str | None = None) -> VLDoc:
-        """One scene's document: its image, then each question and its learned answer + eos, then
-        (if given) the scene's description, learned whole, and an eos."""
+        """One scene's conversation: its questions and learned answers, then (if given) the
+        scene's description, learned whole."""
         if not qas:
             raise ValueError("a VL document needs at least one question")
         pixels, grid, count = self.image(image)
-        ids: list[int] = []
-        mask: list[bool] = []
-        for i, qa in enumerate(qas):
-            prompt, target = corpus.render_example(corpus.Example(image, qa.question, qa.answer, qa.qtype, None))
-            if i == 0:
-                context = self.prompt_ids(qa.question, count)
-            else:  # later questions: the prompt's text after the image marker only
-                context = self.encode(prompt.partition(corpus.IMAGE_PLACEHOLDER)[2])
-            answer = [*self.encode(target), self.eos_id]
-            ids += context + answer
-            mask += [False] * len(context) + [True] * len(answer)
-        if description is not None:
-            learned = [*self.encode(description), self.eos_id]
-            ids += learned
-            mask += [True] * len(learned)
-        return VLDoc(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool), pixels, grid)
+        rendered = self.render(conversation(qas, description), count, False)
+        return VLDoc(np.asarray(rendered.token_ids, dtype=np.int64), np.asarray(rendered.loss_mask, dtype=bool),
+                     pixels, grid, len(qas) + (description is not None))
 
 
 def scene_questions(seed: int, index: int, questions: int, image_size: int) -> tuple[corpus.Scene, list[corpus.QA]]:
@@ -120,7 +144,7 @@ def scene_questions(seed: int, index: int, questions: int, image_size: int) -> t
 
 
 def describe(scene: corpus.Scene) -> str:
-    """The scene cell by cell in raster order of the corpus's 3 x 3 grid: "\nScene: -, red circle,
+    """The scene cell by cell in raster order of the corpus's 3 x 3 grid: "Scene: -, red circle,
     7, ..." ("-" an empty cell, a digit as itself): every item's colour, kind and position."""
     cell = scene.image.width // corpus.GRID
     items = ["-"] * corpus.GRID ** 2
@@ -128,7 +152,7 @@ def describe(scene: corpus.Scene) -> str:
         items[shape.box[1] // cell * corpus.GRID + shape.box[0] // cell] = f"{shape.colour} {shape.kind}"
     if scene.digit is not None:
         items[scene.digit_box[1] // cell * corpus.GRID + scene.digit_box[0] // cell] = str(scene.digit)
-    return "\nScene: " + ", ".join(items)
+    return "Scene: " + ", ".join(items)
 
 
 def scenes_for_step(step: int, per_step: int) -> range:
@@ -162,15 +186,28 @@ def pack_vl(stream: TokenStream | None, windows: list[int], seq_len: int, docs: 
                    torch.tensor(cu, dtype=torch.long), torch.from_numpy(np.concatenate(vl))[None], pixels, grids)
 
 
+@cache
+def _text_renderer() -> XTML:
+    """An XTML renderer over a bare tokenizer, for the text of conversations before the run's
+    tokenizer exists (render_text needs the markers only)."""
+    return XTML(train_tokenizer([], MIN_VOCAB_SIZE))
+
+
+_PIECES = re.compile("|".join(re.escape(t) for t in (*SPECIAL_TOKENS.values(), IMAGE_PLACEHOLDER_TEXT)))
+
+
 def corpus_texts(seed: int, scenes: int, image_size: int) -> list[str]:
-    """Question/answer text and the description of `scenes` scenes (every question each): the VL
-    share of the tokenizer's training text, so the corpus's words are whole tokens."""
+    """The text between the chat markers of `scenes` scenes' conversations (every question, one
+    turn each, thinking on and off) and their descriptions: the VL share of the tokenizer's
+    training text, so the corpus's words and the markup's tag names are whole tokens."""
+    chat = _text_renderer()
     out = []
     for i in range(scenes):
         rng = random.Random(f"k3-vl/tokenizer/{seed}/{i}")
         scene = corpus.make_scene(rng, image_size)
         for qa in corpus.qa_pairs(scene):
-            prompt, target = corpus.render_example(corpus.Example(None, qa.question, qa.answer, qa.qtype, scene))
-            out.append(prompt.replace(corpus.IMAGE_PLACEHOLDER, "") + target)
+            for thinking in (True, False):
+                text = chat.render_text(conversation([qa]), thinking=thinking, add_generation_prompt=False, images=True)
+                out += [piece for piece in _PIECES.split(text) if piece]
         out.append(describe(scene))
     return out

@@ -2,21 +2,26 @@
 
 K3ForConditionalGeneration (k3/model/multimodal.py: MoonViT-V2 tower + patchmergerv2 projector +
 the K3 text model) trains on a mix of the bundled text and generated scenes with questions
-(k3/data/shapes_corpus.py): each step packs `batch_size` text windows and `vl_scenes` VL documents
-(k3/train/vl_data.py) into one row with cu_seqlens, the images' rows written over their placeholder
-tokens. The loss is the mean next-token NLL over the text windows' targets plus `vl_loss_weight`
-times the mean over the VL documents' answer tokens (two means, so the few answer tokens are not
-drowned by the many text tokens); both are recorded (`text_loss`, `image_loss`) and plotted apart.
+(k3/data/shapes_corpus.py) as K3 chat conversations, in the XTML form `/v1/chat/completions` renders
+(k3/train/vl_data.py): each step packs `batch_size` text windows and `vl_scenes` VL documents into
+one row with cu_seqlens, the images' rows written over their placeholder tokens. The loss is the
+mean next-token NLL over the text windows' targets plus `vl_loss_weight` times the mean over the VL
+documents' assistant replies of each reply's summed NLL (its answer and closing markers): two means,
+so the few replies are not drowned by the many text tokens, and the markers, learned in a few steps,
+do not dilute the answers; both are recorded (`text_loss`, `image_loss`, nats per reply) and
+plotted apart.
 Everything else is `k3 train`'s: Per-Head Muon + AdamW over every parameter, tower and projector
 included (`vl_param_groups`), warmup-cosine, the expert-balance rule, atomic checkpoints with exact
 resume (the data of a step is a pure function of (seed, step)), metrics.jsonl, loss.png, report.md.
 The checkpoint folder is the published multimodal layout (`language_model.*`, `vision_tower.*`,
 `mm_projector.*`), which `k3.checkpoint.multimodal.load_pretrained_multimodal` reads.
 
-Evaluation: text val loss / bits per byte as `k3 train`, the answer-token loss on held-out questions
-of the corpus, and their accuracy (greedy answer until eos, exact match after strip), by question
-type; at the end two text-only baselines on the same questions: the corpus's majority answer per
-question, and this model with every image replaced by a blank canvas.
+Evaluation: text val loss / bits per byte as `k3 train`, the reply loss on held-out questions of the
+corpus, and their accuracy, by question type: each question is the chat prompt the server renders
+for a one-image request (`VLEncoder.prompt`), the reply greedy until `<|end_of_msg|>` or eos and
+parsed by the server's parser (k3/text/xtml.py), its content exact-matched after strip. At the end
+two text-only baselines on the same questions: the corpus's majority answer per question, and this
+model with every image replaced by a blank canvas.
 """
 from __future__ import annotations
 
@@ -60,22 +65,23 @@ class VLSettings(TrainSettings):
     """A `k3 train` run of a VL model (saved as run.json; `--resume` reads it back). The defaults
     fit the 15-minute budget of the default run on 2 CPU cores (docs/VISION.md, Joint training)."""
     config: str = "k3-tiny-vl"
-    steps: int = 350
-    batch_size: int = 4  # text windows per step (an eighth of the row: the VL answers are the hard part)
-    seq_len: int = 64  # as long as a VL document: the chunked KDA pads every segment of a row to the longest
+    steps: int = 560
+    batch_size: int = 1  # text windows per step (a fifth of the row: the VL answers are the hard part)
+    seq_len: int = 256  # as long as a VL document: the chunked KDA pads every segment of a row to the longest
     lr: float = 4e-3
-    eval_every: int = 100
+    eval_every: int = 280  # a held-out eval prefills 400 chat prompts and decodes each reply's markers
     eval_windows: int | None = 16
     ckpt_every: int = 100
-    vl_scenes: int = 29  # VL documents (scenes) per step
-    vl_questions: int = 4  # questions per scene, each answer learned (4: a document of at most 63 inputs)
+    vl_scenes: int = 4  # VL documents (scenes) per step: 4-turn conversations of about 240 tokens
+    vl_questions: int = 4  # questions per scene: chat turns, each answer learned
+    vl_thinking: bool = True  # documents and held-out prompts with the think channel: the server's default
     image_size: int = 84  # 6 x 6 patches of 14: each cell of the corpus's 3 x 3 grid is one merged row
     vl_describe: bool = False  # end each VL document with the scene's cell-by-cell description, learned
     vl_loss_weight: float = 1.0
     vision_lr_scale: float = 1.0  # the tower's and projector's learning rate, relative to `lr`
     vision_optimizer: str = ""  # the tower's and projector's matrices: "" = as `optimizer`, else one of OPTIMIZERS
     vqa_eval: int = 400  # held-out questions scored at each eval
-    max_answer_tokens: int = 6
+    max_answer_tokens: int = 6  # of a reply's content; the reply's markers come on top
     baseline_examples: int = 2000  # training examples the majority baseline counts
 
 
@@ -172,9 +178,10 @@ class VLTrainer(Trainer):
             raise TrainError(str(e)) from None
 
     def _tokenizer(self, settings: VLSettings, texts: list[str], vocab_size: int, resume: bool):
-        """The run's own on resume; else a byte-level BPE on the text split and the corpus's question
-        and description text, one id short of the vocabulary, then the image placeholder as a special
-        token at the end (the id the model's media_placeholder_token_id names)."""
+        """The run's own on resume; else a byte-level BPE (with K3's chat markers, as every k3
+        tokenizer) on the text split and the text of the corpus's chat conversations, one id short of
+        the vocabulary, then the image placeholder as a special token at the end (the id the model's
+        media_placeholder_token_id names)."""
         if resume:
             return load_tokenizer(self.run_dir)
         texts = texts + corpus_texts(0, TOKENIZER_SCENES, settings.image_size)
@@ -209,7 +216,10 @@ class VLTrainer(Trainer):
             raise TrainError(f"the training split has {len(self.train_data.tokens)} tokens, fewer than one "
                              f"sequence of {settings.seq_len}: use more data or a shorter --seq-len")
         processor = ImageProcessor.from_vision_config(config.vision_config)
-        self.encoder = VLEncoder(self.tokenizer, processor, bos, eos, placeholder)
+        try:
+            self.encoder = VLEncoder(self.tokenizer, processor, placeholder, thinking=settings.vl_thinking)
+        except ValueError as e:  # a tokenizer without K3's chat markers
+            raise TrainError(f"the run's tokenizer cannot render chat: {e}") from None
         self.heldout = list(corpus.examples("heldout", settings.vqa_eval, settings.seed, size=settings.image_size))
         self._last_answers: list[str] = []
 
@@ -265,7 +275,7 @@ class VLTrainer(Trainer):
         windows, scenes = self.step_items()
         docs = self.documents(scenes)
         text_targets = sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows)
-        vl_targets = sum(d.targets for d in docs)
+        vl_answers = sum(d.answers for d in docs)
         self.model.train()
         text_nll, vl_nll = torch.zeros((), device=device), torch.zeros((), device=device)
         tokens = 0
@@ -274,7 +284,7 @@ class VLTrainer(Trainer):
             batch = pack_vl(self.train_data, windows[j * wm:(j + 1) * wm], s.seq_len, docs[j * dm:(j + 1) * dm]).to(device)
             tokens += batch.input_ids.shape[1]
             text_sum, vl_sum = self._loss_sums(batch)
-            loss = text_sum / max(text_targets, 1) + s.vl_loss_weight * vl_sum / max(vl_targets, 1)
+            loss = text_sum / max(text_targets, 1) + s.vl_loss_weight * vl_sum / max(vl_answers, 1)
             loss.backward()
             text_nll += text_sum.detach()
             vl_nll += vl_sum.detach()
@@ -288,7 +298,7 @@ class VLTrainer(Trainer):
         self.step += 1
         self.tokens_seen += tokens
         text_loss = float(text_nll) / max(text_targets, 1)
-        image_loss = float(vl_nll) / max(vl_targets, 1)
+        image_loss = float(vl_nll) / max(vl_answers, 1)
         max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
         return {"kind": "train", "step": self.step, "loss": text_loss + s.vl_loss_weight * image_loss,
                 "text_loss": text_loss, "image_loss": image_loss, "lr": lr, "grad_norm": float(grad_norm),
@@ -298,18 +308,23 @@ class VLTrainer(Trainer):
     def _prompt(self, example: corpus.Example, blank: bool):
         image = Image.new("RGB", example.image.size, corpus.BACKGROUND) if blank else example.image
         pixels, grid, count = self.encoder.image(image)
-        return self.encoder.prompt_ids(example.question, count), pixels, grid
+        return self.encoder.prompt(example.question, count), pixels, grid
 
     @torch.no_grad()
     def answer(self, examples: list[corpus.Example], *, blank: bool = False) -> list[str]:
-        """Greedy answers (until eos, at most `max_answer_tokens`), decoded and stripped; `blank`
-        shows a blank canvas of the same size instead of each image (the text-only baseline)."""
-        device, eos = self.world.device, self.config.eos_token_id
+        """Greedy replies to the chat prompts, as the server gives them: until `<|end_of_msg|>` or
+        eos (at most `max_answer_tokens` past the reply's markers), parsed by the server's reply
+        parser, the content stripped; `blank` shows a blank canvas of the same size instead of
+        each image (the text-only baseline)."""
+        device = self.world.device
+        stops = self.encoder.chat.stop_ids
+        budget = self.encoder.reply_overhead + self.s.max_answer_tokens
         was_training = self.model.training
         self.model.eval()
         answers: list[str] = []
         for start in range(0, len(examples), VQA_CHUNK):
-            prompts, pixels, grids = zip(*(self._prompt(ex, blank) for ex in examples[start:start + VQA_CHUNK]))
+            rendered, pixels, grids = zip(*(self._prompt(ex, blank) for ex in examples[start:start + VQA_CHUNK]))
+            prompts = [r.token_ids for r in rendered]
             n = len(prompts)
             ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
             cu = torch.tensor([0] + [len(p) for p in prompts], device=device).cumsum(0)
@@ -319,15 +334,13 @@ class VLTrainer(Trainer):
                                     cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:] - 1)[0]
             outputs: list[list[int]] = [[] for _ in range(n)]
             active = list(range(n))
-            for _ in range(self.s.max_answer_tokens):
+            for _ in range(budget):
                 tokens = logits.argmax(-1)
                 still = []
                 for row, seq in enumerate(active):
                     token = int(tokens[row])
-                    if token == eos:
-                        continue
                     outputs[seq].append(token)
-                    if len(outputs[seq]) < self.s.max_answer_tokens:
+                    if token not in stops and len(outputs[seq]) < budget:
                         still.append(row)
                 if not still:
                     break
@@ -336,13 +349,17 @@ class VLTrainer(Trainer):
                 with self._autocast():  # the language model itself: a generated placeholder id is just a token
                     logits = self.model.language_model(tokens[None], cu_seqlens=torch.arange(len(active) + 1, device=device),
                                                        cache=cache)[0]
-            answers += [self.tokenizer.decode(o).strip() for o in outputs]
+            for r, out in zip(rendered, outputs):
+                parser = self.encoder.chat.parser_for(r)
+                parser.feed(out)
+                parser.finish()
+                answers.append(parser.reply.content.strip())
         self.model.train(was_training)
         return answers
 
     @torch.no_grad()
     def heldout_loss(self) -> tuple[float, int]:
-        """Mean NLL of the held-out answers (answer tokens and eos), teacher-forced, and their count."""
+        """Mean NLL per held-out reply (its answer and markers, teacher-forced), and the replies' token count."""
         was_training = self.model.training
         self.model.eval()
         nats, count = 0.0, 0
@@ -353,7 +370,7 @@ class VLTrainer(Trainer):
             nats += float(self._loss_sums(batch)[1])
             count += sum(d.targets for d in docs)
         self.model.train(was_training)
-        return nats / max(count, 1), count
+        return nats / max(len(self.heldout), 1), count
 
     @staticmethod
     def accuracy(examples: list[corpus.Example], answers: list[str]) -> tuple[float, dict[str, float]]:
@@ -433,9 +450,11 @@ class VLTrainer(Trainer):
             v = vqa[-1] if vqa else {}
             types = list(e["vqa_by_type"])
             extra = ["## Held-out visual questions", "",
-                     (f"{e['vqa_questions']} questions of the shapes corpus's held-out split (step {e['step']}); "
-                     f"greedy answer until eos, exact match after strip. Answer-token loss "
-                     f"{e['val_image_loss']:.4f} nats over {e['val_image_tokens']} tokens."), "",
+                     (f"{e['vqa_questions']} questions of the shapes corpus's held-out split (step {e['step']}), "
+                     f"each as the chat prompt `/v1/chat/completions` renders for one image and the question "
+                     f"(thinking {'on' if s.vl_thinking else 'off'}); greedy reply until end_of_msg, its content "
+                     f"exact-matched after strip. Reply loss {e['val_image_loss']:.4f} nats per reply "
+                     f"({e['val_image_tokens']} tokens)."), "",
                      "| | all | " + " | ".join(t.replace("_", " ") for t in types) + " |",
                      "|---|---|" + "---|" * len(types),
                      f"| this model | **{e['vqa_accuracy']:.1%}** | " + " | ".join(f"{e['vqa_by_type'][t]:.1%}" for t in types) + " |"]
@@ -452,13 +471,13 @@ class VLTrainer(Trainer):
                      model=(f"{s.config}: K3 text model ({self.params['total'] / 1e6:.2f}M) + MoonViT-V2 tower and "
                             f"projector ({self.vision_params['total'] / 1e6:.2f}M)"),
                      data=(f"{s.data or 'bundled Shakespeare corpus'} + generated shapes scenes "
-                           f"({s.image_size} px, {s.vl_questions} questions each)"),
+                           f"({s.image_size} px, {s.vl_questions} questions each as chat turns)"),
                      batch=(f"{s.batch_size} text windows x {s.seq_len} tokens + {s.vl_scenes} scenes"), extra=extra)
 
 
 def plot_vl_losses(records: list[dict], path: Path, title: str) -> None:
-    """Two panels: text tokens (train and val loss) and VL answer tokens (train and held-out loss,
-    with held-out accuracy on a second axis)."""
+    """Two panels: text tokens (train and val loss) and VL replies (train and held-out loss per
+    reply, with held-out accuracy on a second axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -474,14 +493,15 @@ def plot_vl_losses(records: list[dict], path: Path, title: str) -> None:
     ax_v.plot(steps, [r["image_loss"] for r in train], lw=1, color="C2", label="train (answers after an image)")
     ax_v.plot([r["step"] for r in evals], [r["val_image_loss"] for r in evals], "o-", color="C3",
               label="held-out questions")
-    ax_v.set_title("image-question answer tokens")
+    ax_v.set_title("replies to image questions")
+    ax_t.set_ylabel("loss (nats/token)")
+    ax_v.set_ylabel("loss (nats/reply)")
     for ax in (ax_t, ax_v):
         ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right")
     later = [r["image_loss"] for r in train[len(train) // 10:]]
-    if later:  # the first steps' answer loss is ten times the rest: keep the scale for the rest
+    if later:  # the first steps' reply loss is many times the rest: keep the scale for the rest
         ax_v.set_ylim(0, 1.5 * max(later + [r["val_image_loss"] for r in evals]))
     if evals:
         acc = ax_v.twinx()
