@@ -35,48 +35,22 @@ from k3.rl.effort import EFFORTS, Budget, load_budgets
 from k3.rl.episodes import run_episodes, summarize
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, token_logprobs
 from k3.rl.rollout import Prompt, Rollouts, Trajectory
-from k3.rl.trainer import BUDGETS_FILE, HELDOUT_FILE, RLTrainer
+from k3.rl.trainer import BUDGETS_FILE, HELDOUT_FILE, RLTrainer, RolloutSettings, check, validate_rollout
 from k3.serve.engine import EngineConfig
 from k3.text.tokenizer import load_tokenizer
 from k3.text.xtml import XTML
 from k3.train.errors import TrainError
-from k3.train.muon import OPTIMIZERS
 from k3.train.packing import windows_for_step
-from k3.train.trainer import BALANCE_RULES, RUN_FILE
+from k3.train.trainer import RUN_FILE
 
 
 @dataclass
-class DistillSettings:
-    """Everything that defines a distillation run (saved as run.json; `--resume` reads it back)."""
-    init: str = ""  # the student's start: an SFT run folder or a checkpoint folder
+class DistillSettings(RolloutSettings):
+    """Everything that defines a distillation run (saved as run.json; `--resume` reads it back).
+    `init` is the student's start (an SFT run), `prompts` are per teacher and iteration."""
+    prompts: int = 2
+    samples: int = 4
     teachers: list = field(default_factory=list)  # `k3 rl` run folders, one per (domain, effort)
-    out: str | None = None  # run folder; None: runs/distill-<timestamp>
-    steps: int = 40
-    prompts: int = 2  # new prompts per teacher per iteration
-    samples: int = 4  # completions per prompt
-    stop_fraction: float = 1.0
-    temperature: float = 1.0
-    max_tokens: int = 96
-    pool: int = 128  # training prompts per teacher, cycled
-    heldout: int = 64  # held-out prompts per teacher
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    lr: float = 5e-4
-    min_lr_ratio: float = 1.0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    optimizer: str = "per-head-muon"
-    balance: str = "quantile"
-    qat: bool = False
-    batch_invariant: bool = False
-    compile: bool = False
-    eval_every: int = 10
-    ckpt_every: int = 10
-    keep: int = 2
-    keep_all_state: bool = False
-    seed: int = 0
-    device: str = "cpu"
-    cache_dir: str | None = None
 
 
 @dataclass
@@ -95,27 +69,9 @@ class Teacher:
 
 
 def _validate(s: DistillSettings, world_size: int) -> None:
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise TrainError(msg)
-
-    need(bool(s.init), "a student checkpoint is required: --run RUN_DIR or --model CHECKPOINT_DIR")
-    need(world_size == 1, "k3 distill runs in one process; launch it without torchrun")
-    need(bool(s.teachers), "at least one teacher is required: --teachers RUN_DIR [RUN_DIR ...]")
-    need(all(isinstance(t, str) for t in s.teachers), "teachers must be run folders")
-    need(s.steps >= 1 and s.prompts >= 1 and s.samples >= 1, "steps, prompts and samples must be >= 1")
-    need(0 < s.stop_fraction <= 1, f"stop fraction must be in (0, 1], got {s.stop_fraction}")
-    need(s.temperature > 0, f"temperature must be > 0 (rollouts sample), got {s.temperature}")
-    need(s.max_tokens >= 1 and s.pool >= 1 and s.heldout >= 1, "max tokens, pool and heldout must be >= 1")
-    need(s.lr > 0 and 0 < s.min_lr_ratio <= 1, "learning rate must be > 0 and min lr ratio in (0, 1]")
-    need(s.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {s.optimizer!r}")
-    need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
-    need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
-    need(not (s.batch_invariant and s.device != "cpu"), "--batch-invariant runs on CPU only")
-    try:
-        ObjectiveConfig(s.eps_low, s.eps_high)
-    except ValueError as e:
-        raise TrainError(str(e)) from None
+    validate_rollout(s, world_size, "distill")
+    check(bool(s.teachers), "at least one teacher is required: --teachers RUN_DIR [RUN_DIR ...]")
+    check(all(isinstance(t, str) for t in s.teachers), "teachers must be run folders")
 
 
 def _final_heldout(run: Path) -> dict | None:

@@ -67,28 +67,20 @@ BUDGET_BATCH = 128  # episodes per batch when measuring cold-start budgets
 
 
 @dataclass
-class RLSettings:
-    """Everything that defines an RL run (saved as run.json; `--resume` reads it back)."""
+class RolloutSettings:
+    """What `k3 rl` and `k3 distill` runs share (each verb's settings add their own)."""
     init: str = ""  # an SFT (or RL) run folder, its latest checkpoint, or a checkpoint folder
-    domain: str = "arithmetic"  # arithmetic | strings | tool (k3/rl/domains.py)
-    domain_options: dict = field(default_factory=dict)  # max_level, tail, digits (arithmetic), n_tools (tool)
-    effort: str = "max"  # low | high | max: the XTML effort message and the default tau
-    tau: float | None = None  # budget multiple; None: the effort level's (max 2, high 1, low 0.5)
-    budgets: str | None = None  # a budgets.json to use (a max expert's); None: the init run's, else measured
-    out: str | None = None  # run folder; None: runs/rl-<domain>-<effort>-<timestamp>
+    out: str | None = None  # run folder; None: runs/<verb>-...-<timestamp>
     steps: int = 40  # iterations, one optimizer step each
     prompts: int = 8  # N: new prompts per iteration
     samples: int = 8  # K: completions per prompt (the advantage group)
-    stop_fraction: float = 1.0  # lambda: pause the rollout once this share of N*K has finished
+    stop_fraction: float = 1.0  # lambda: pause the rollout once this share of those in flight has finished
     temperature: float = 1.0
     max_tokens: int = 96  # per assistant turn
     pool: int = 128  # training prompts, cycled (each has a cold-start budget)
     heldout: int = 64  # held-out prompts evaluated (greedy)
-    budget_samples: int = 4  # SFT samples per prompt for b0(x)
     eps_low: float = 0.2
     eps_high: float = 0.2
-    kl_coef: float = 0.0  # weight of the per-token k3 KL to the init model
-    normalize_std: bool = False  # divide advantages by the group's reward std
     lr: float = 5e-4
     min_lr_ratio: float = 1.0  # constant after warmup
     weight_decay: float = 0.0
@@ -106,36 +98,58 @@ class RLSettings:
     device: str = "cpu"
     cache_dir: str | None = None
 
+
+@dataclass
+class RLSettings(RolloutSettings):
+    """Everything that defines an RL run (saved as run.json; `--resume` reads it back)."""
+    domain: str = "arithmetic"  # arithmetic | strings | tool (k3/rl/domains.py)
+    domain_options: dict = field(default_factory=dict)  # max_level, tail, digits (arithmetic), n_tools (tool)
+    effort: str = "max"  # low | high | max: the XTML effort message and the default tau
+    tau: float | None = None  # budget multiple; None: the effort level's (max 2, high 1, low 0.5)
+    budgets: str | None = None  # a budgets.json to use (a max expert's); None: the init run's, else measured
+    budget_samples: int = 4  # SFT samples per prompt for b0(x)
+    kl_coef: float = 0.0  # weight of the per-token k3 KL to the init model
+    normalize_std: bool = False  # divide advantages by the group's reward std
+
     @property
     def tau_value(self) -> float:
         return self.tau if self.tau is not None else EFFORTS[self.effort].tau
 
 
-def _validate(s: RLSettings, world_size: int) -> None:
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise TrainError(msg)
+def check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise TrainError(msg)
 
-    need(bool(s.init), "an initial checkpoint is required: --run RUN_DIR or --model CHECKPOINT_DIR")
-    need(world_size == 1, "k3 rl runs in one process (the rollout engine drives the whole model); "
-                          "launch it without torchrun")
-    need(s.domain in DOMAIN_CLASSES, f"domain must be one of {', '.join(DOMAIN_CLASSES)}, got {s.domain!r}")
-    need(s.effort in EFFORTS, f"effort must be one of {', '.join(EFFORTS)}, got {s.effort!r}")
-    need(s.tau is None or s.tau > 0, f"tau must be > 0, got {s.tau}")
-    need(s.steps >= 1 and s.prompts >= 1, "steps and prompts must be >= 1")
-    need(s.samples >= 2, f"samples per prompt must be >= 2 (the group is the baseline), got {s.samples}")
-    need(0 < s.stop_fraction <= 1, f"stop fraction must be in (0, 1], got {s.stop_fraction}")
-    need(s.temperature > 0, f"temperature must be > 0 (rollouts sample), got {s.temperature}")
-    need(s.max_tokens >= 1 and s.pool >= 1 and s.heldout >= 1 and s.budget_samples >= 1,
-         "max tokens, pool, heldout and budget samples must be >= 1")
-    need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
-    need(0 < s.min_lr_ratio <= 1, f"min lr ratio must be in (0, 1], got {s.min_lr_ratio}")
-    need(s.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {s.optimizer!r}")
-    need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
-    need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
-    need(not (s.batch_invariant and s.device != "cpu"), "--batch-invariant runs on CPU only")
+
+def validate_rollout(s: RolloutSettings, world_size: int, verb: str, kl_coef: float = 0.0) -> None:
+    """The checks every rollout verb's settings share (one-line TrainErrors)."""
+    check(bool(s.init), "an initial checkpoint is required: --run RUN_DIR or --model CHECKPOINT_DIR")
+    check(world_size == 1, f"k3 {verb} runs in one process (the rollout engine drives the whole model); "
+                           "launch it without torchrun")
+    check(s.steps >= 1 and s.prompts >= 1 and s.samples >= 1, "steps, prompts and samples must be >= 1")
+    check(0 < s.stop_fraction <= 1, f"stop fraction must be in (0, 1], got {s.stop_fraction}")
+    check(s.temperature > 0, f"temperature must be > 0 (rollouts sample), got {s.temperature}")
+    check(s.max_tokens >= 1 and s.pool >= 1 and s.heldout >= 1, "max tokens, pool and heldout must be >= 1")
+    check(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
+    check(0 < s.min_lr_ratio <= 1, f"min lr ratio must be in (0, 1], got {s.min_lr_ratio}")
+    check(s.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {s.optimizer!r}")
+    check(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
+    check(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
+    check(not (s.batch_invariant and s.device != "cpu"), "--batch-invariant runs on CPU only")
     try:
-        ObjectiveConfig(s.eps_low, s.eps_high, s.kl_coef)
+        ObjectiveConfig(s.eps_low, s.eps_high, kl_coef)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+
+
+def _validate(s: RLSettings, world_size: int) -> None:
+    validate_rollout(s, world_size, "rl", s.kl_coef)
+    check(s.domain in DOMAIN_CLASSES, f"domain must be one of {', '.join(DOMAIN_CLASSES)}, got {s.domain!r}")
+    check(s.effort in EFFORTS, f"effort must be one of {', '.join(EFFORTS)}, got {s.effort!r}")
+    check(s.tau is None or s.tau > 0, f"tau must be > 0, got {s.tau}")
+    check(s.samples >= 2, f"samples per prompt must be >= 2 (the group is the baseline), got {s.samples}")
+    check(s.budget_samples >= 1, f"budget samples must be >= 1, got {s.budget_samples}")
+    try:
         make_domain(s.domain, s.seed, **s.domain_options)
     except (ValueError, TypeError) as e:
         raise TrainError(str(e)) from None
