@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="change a K3Config field, VALUE as JSON (e.g. --set num_hidden_layers=4); repeatable")
     p.add_argument("--data", help="a text file, a JSONL file with a 'text' field, or a folder of them "
                                   "(default: the bundled Shakespeare corpus)")
+    p.add_argument("--copy-share", type=float,
+                   help="share of the training bytes that are copy-shaped documents (random word sequences shown "
+                        "twice), so a small model learns to copy; validation stays the corpus's (default 0)")
     p.add_argument("--out", help="run folder (default runs/<config>-<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint, with its saved settings")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")

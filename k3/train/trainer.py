@@ -30,6 +30,7 @@ from k3.atomic import write_atomic
 from k3.checkpoint import training_state as ckpt
 from k3.checkpoint.run_folder import latest_checkpoint
 from k3.config import ConfigError, K3Config, load_config
+from k3.data.copy_corpus import copy_documents
 from k3.data.corpus import load_documents, split_documents
 from k3.generation.generate import generate
 from k3.model.params import count_parameters
@@ -66,6 +67,7 @@ class TrainSettings:
     config: str = "k3-tiny"  # preset name or config.json path
     overrides: dict = dataclasses.field(default_factory=dict)  # K3Config fields to change, e.g. {"num_hidden_layers": 4}
     data: str | None = None  # None: the bundled Shakespeare corpus
+    copy_share: float = 0.0  # share of the training bytes that are copy-shaped documents (k3.data.copy_corpus)
     out: str | None = None  # run folder; None: runs/<config>-<timestamp>
     steps: int = 250
     batch_size: int = 8  # sequences per optimizer step, over all ranks and micro-batches
@@ -129,6 +131,7 @@ def validate_common(s, world_size: int, max_positions: int) -> None:
 def _validate(s: TrainSettings, world: World, max_positions: int, vocab_size: int) -> None:
     validate_common(s, world.size, max_positions)
     _need(s.eval_windows is None or s.eval_windows >= 1, f"eval windows must be >= 1, got {s.eval_windows}")
+    _need(0.0 <= s.copy_share < 1.0, f"copy share must be in [0, 1), got {s.copy_share}")
     _need(isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size >= MIN_VOCAB_SIZE,
           f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (the byte-level BPE's special + 256 byte tokens), "
           f"got {vocab_size!r}")
@@ -197,6 +200,8 @@ class Trainer:
 
     def _setup_data(self, settings: TrainSettings, config: K3Config, resume: bool) -> None:
         train_docs, val_docs = split_documents(load_documents(settings.data), settings.val_fraction)
+        # copy-shaped documents join the training split only: validation stays the corpus's own text
+        train_docs = train_docs + copy_documents(train_docs, settings.copy_share, settings.seed)
         cache = self.cache_dir(settings)
 
         # tokenizer: the run's own on resume, else trained on the training split (cached)

@@ -92,6 +92,7 @@ def _validate_vl(s: VLSettings, config: K3MultimodalConfig) -> None:
 
     validate_common(s, 1, config.text_config.max_position_embeddings)
     need(s.eval_windows is None or s.eval_windows >= 1, f"eval windows must be >= 1, got {s.eval_windows}")
+    need(s.copy_share == 0, "--copy-share applies to text runs, not VL runs")
     need(s.vl_scenes >= 0 and s.vl_scenes % s.grad_accum == 0,
          f"VL scenes per step must be >= 0 and divisible by grad accumulation {s.grad_accum}, got {s.vl_scenes}")
     need(s.vl_questions >= 1, f"questions per scene must be >= 1, got {s.vl_questions}")

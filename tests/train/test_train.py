@@ -208,3 +208,26 @@ def test_failed_setup_shuts_the_process_group_down(tmp_path, monkeypatch):
     with pytest.raises(TrainError, match="unknown preset"):
         Trainer(TrainSettings(config="k3-huge", out=str(tmp_path / "run")), progress=False, log=quiet)
     assert len(calls) == 1 and not (tmp_path / "run").exists()
+
+
+def test_copy_share_adds_copy_documents_to_training_only(tmp_path):
+    from k3.data.copy_corpus import copy_documents
+    from k3.data.corpus import load_documents
+
+    corpus = load_documents()[:3]
+    docs = copy_documents(corpus, 0.4, seed=1)
+    size = sum(len(d.text) for d in docs)
+    assert 0.4 <= size / (size + sum(len(d.text) for d in corpus)) < 0.45
+    line = docs[0].text.split("\n")
+    assert line[0] == line[1] and len(line[0].split()) >= 3  # each sequence shown twice
+    assert [d.text for d in copy_documents(corpus, 0.4, seed=1)] == [d.text for d in docs]
+    assert copy_documents(corpus, 0.0) == []
+    trainer = Trainer(tiny_settings(tmp_path, "copy", copy_share=0.3, steps=1), progress=False, log=quiet)
+    plain = Trainer(tiny_settings(tmp_path, "plain", steps=1), progress=False, log=quiet)
+    try:
+        assert len(trainer.train_data.tokens) > 1.2 * len(plain.train_data.tokens)
+    finally:
+        trainer.close()
+        plain.close()
+    with pytest.raises(TrainError, match="copy share must be in"):
+        Trainer(tiny_settings(tmp_path, "bad", copy_share=1.0), progress=False, log=quiet)
