@@ -3,10 +3,11 @@ partial rollout and effort budgets (seeds §6.1.2), on the pretraining Trainer's
 
 One iteration = one optimizer step:
 1. Rollout (k3/rl/rollout.py, the serving engine in process over the trainer's own model, QAT
-   included): N training prompts x K samples, after resuming last iteration's unfinished
-   trajectories. With stop_fraction (lambda) < 1 the rollout pauses once ceil(lambda N K)
-   trajectories have finished; the rest keep their tokens, behaviour log-probs, per-token policy
-   versions and generator state and are resumed first next iteration. A tool episode takes several
+   included): last iteration's unfinished trajectories first, then new training prompts x K
+   samples, as many as top the total up to N x K (a bounded backlog). With stop_fraction (lambda)
+   < 1 the rollout pauses once ceil(lambda N K) trajectories have finished; the rest keep their
+   tokens, behaviour log-probs, per-token policy versions and generator state and are resumed
+   first next iteration. A tool episode takes several
    turns: a finished turn that called a tool becomes a new trajectory whose prompt holds the tool
    results (k3/rl/domains.py), resumed like any unfinished one (lambda = 1 runs it to the end now).
 2. Reward: a finished episode is verified (domain verifier), its length T(y) measured, and
