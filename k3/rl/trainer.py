@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint import training_state as ckpt
 from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
 from k3.config import K3Config
@@ -229,10 +228,6 @@ class RLTrainer(Trainer):
         if resume:
             self._restore_latest()
 
-    def _setup_model(self, model, resume: bool) -> None:
-        super()._setup_model(model, resume)
-        self.model.train()
-
     def _given_budgets(self, s: RLSettings) -> dict[str, Budget] | None:
         """b0 from --budgets, else from the init run's budgets.json when it trained the same domain."""
         path = Path(s.budgets) if s.budgets else None
@@ -287,27 +282,22 @@ class RLTrainer(Trainer):
         return budgets
 
     # ------------------------------------------------------------------ checkpoints
-    def _save(self) -> Path:
-        state = {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "world_size": 1,
-                 "settings": dataclasses.asdict(self.s), "unfinished": [_dump(t) for t in self.unfinished],
-                 "held": {k: [_dump(t) for t in v] for k, v in self.held.items()},
-                 "group_rewards": self.group_rewards}
-        path = ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer,
-                                    self.scheduler, state, self.save_tokenizer_to, keep=self.s.keep,
-                                    keep_all_state=self.s.keep_all_state)
-        self.rollouts.reset_cache()  # the next iteration starts as a resumed run would: exact resume
-        return path
+    def trainer_state(self) -> dict:
+        return {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "world_size": 1,
+                "settings": dataclasses.asdict(self.s), "unfinished": [_dump(t) for t in self.unfinished],
+                "held": {k: [_dump(t) for t in v] for k, v in self.held.items()},
+                "group_rewards": self.group_rewards}
 
-    def _restore_latest(self) -> None:
-        super()._restore_latest()
-        found = latest_checkpoint(self.run_dir / "checkpoints")
-        if found is None:
-            return
-        state = json.loads((found / ckpt.TRAINER_STATE).read_text())
+    def restore_state(self, state: dict) -> None:
         self.unfinished = [_load(d) for d in state["unfinished"]]
         self.held = {k: [_load(d) for d in v] for k, v in state["held"].items()}
         self.group_rewards = state["group_rewards"]
         self.rollouts.policy_version = self.step
+
+    def _save(self) -> Path:
+        path = super()._save()
+        self.rollouts.reset_cache()  # the next iteration starts as a resumed run would: exact resume
+        return path
 
     # ------------------------------------------------------------------ one iteration
     def _new_prompts(self, limit: int) -> list[Prompt]:

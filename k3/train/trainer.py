@@ -267,8 +267,13 @@ class Trainer:
             from k3.regional_compile import compile_regions
 
             compile_regions(model)
-        groups = param_groups(self.model, self.config, weight_decay=settings.weight_decay,
-                              optimizer=getattr(settings, "optimizer", OPTIMIZERS[0]))
+        self._start_optimizer(param_groups(self.model, self.config, weight_decay=settings.weight_decay,
+                                           optimizer=getattr(settings, "optimizer", OPTIMIZERS[0])), resume)
+
+    def _start_optimizer(self, groups: list[dict], resume: bool) -> None:
+        """Per-Head Muon + AdamW over `groups`, the schedule, the counters and the balance rule; on
+        resume the latest checkpoint."""
+        settings = self.s
         self.optimizer = PerHeadMuon(groups, lr=settings.lr, weight_decay=settings.weight_decay)
         self.scheduler = warmup_cosine(self.optimizer, settings.steps, settings.min_lr_ratio)
         self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
@@ -288,6 +293,7 @@ class Trainer:
         if found is not None:
             state = ckpt.load_checkpoint(found, self.model, self.optimizer, self.scheduler)
             self.step, self.elapsed, self.tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
+            self.restore_state(state)
             self.log(f"resumed {self.run_dir} at step {self.step} from {found.name}")
         else:
             self.log(f"{self.run_dir} has no complete checkpoint: starting from step 0 with its saved settings")
@@ -427,11 +433,17 @@ class Trainer:
                 f"({ev['val_tokens']:,} held-out tokens)")
 
     # ------------------------------------------------------------------ the loop
+    def trainer_state(self) -> dict:
+        """What a checkpoint's trainer_state.json holds besides the step and the schedule (JSON)."""
+        return {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "data_position": self.step * self.s.batch_size,
+                "world_size": self.world.size, "settings": dataclasses.asdict(self.s)}
+
+    def restore_state(self, state: dict) -> None:
+        """Take back what `trainer_state` added (the counters are already restored)."""
+
     def _save(self) -> Path:
-        state = {"elapsed": self.elapsed, "tokens_seen": self.tokens_seen, "data_position": self.step * self.s.batch_size,
-                 "world_size": self.world.size, "settings": dataclasses.asdict(self.s)}
         return ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.optimizer,
-                                    self.scheduler, state, self.save_tokenizer_to, keep=self.s.keep,
+                                    self.scheduler, self.trainer_state(), self.save_tokenizer_to, keep=self.s.keep,
                                     keep_all_state=self.s.keep_all_state)
 
     def _record(self, records: list[dict]) -> None:

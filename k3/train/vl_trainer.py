@@ -48,10 +48,9 @@ from k3.text.tokenizer import load_tokenizer, tokenizer_fingerprint, train_token
 from k3.train.balance import balance_step, expert_loads
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
-from k3.train.muon import OPTIMIZERS, Blocks, PerHeadMuon, param_groups
+from k3.train.muon import OPTIMIZERS, Blocks, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, window, windows_for_step
 from k3.train.parallel import clip_grad_norm_
-from k3.train.schedule import warmup_cosine
 from k3.train.trainer import Trainer, TrainSettings, validate_common
 from k3.train.vl_config import VLCheckpointConfig, load_vl_config
 from k3.train.vl_data import VLEncoder, corpus_texts, describe, pack_vl, scene_questions, scenes_for_step
@@ -239,15 +238,9 @@ class VLTrainer(Trainer):
         self.params = count_parameters(self.config)
         self.vision_params = count_vision_parameters(self.mm_config.vision_config)
         self.model = model
-        groups = vl_param_groups(model, weight_decay=s.weight_decay, optimizer=s.optimizer,
-                                 vision_optimizer=s.vision_optimizer or None, vision_lr=s.lr * s.vision_lr_scale)
-        self.optimizer = PerHeadMuon(groups, lr=s.lr, weight_decay=s.weight_decay)
-        self.scheduler = warmup_cosine(self.optimizer, s.steps, s.min_lr_ratio)
-        self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
-        if resume:
-            self._restore_latest()
-        self.balance_rule = None if s.balance == "none" else s.balance
-        self.balance_reduce = None
+        self._start_optimizer(vl_param_groups(model, weight_decay=s.weight_decay, optimizer=s.optimizer,
+                                              vision_optimizer=s.vision_optimizer or None,
+                                              vision_lr=s.lr * s.vision_lr_scale), resume)
 
     # ------------------------------------------------------------------ one step
     def step_items(self) -> tuple[list[int], list[int]]:
