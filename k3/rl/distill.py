@@ -26,19 +26,15 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
-from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
-from k3.config import K3Config
-from k3.model.transformer import K3ForCausalLM
+from k3.checkpoint.official import CheckpointError, load_pretrained
+from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.rl.domains import Task, make_domain
 from k3.rl.effort import EFFORTS, Budget, load_budgets
 from k3.rl.episodes import run_episodes, summarize
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, token_logprobs
-from k3.rl.rollout import Prompt, Rollouts, Trajectory
+from k3.rl.rollout import Prompt, Trajectory
 from k3.rl.trainer import BUDGETS_FILE, HELDOUT_FILE, RLTrainer, RolloutSettings, check, validate_rollout
-from k3.serve.engine import EngineConfig
 from k3.text.tokenizer import load_tokenizer
-from k3.text.xtml import XTML
 from k3.train.errors import TrainError
 from k3.train.packing import windows_for_step
 from k3.train.trainer import RUN_FILE
@@ -92,22 +88,7 @@ class DistillTrainer(RLTrainer):
 
     def _setup(self, settings: DistillSettings, resume: bool) -> None:
         _validate(settings, self.world.size)
-        self._prepare_run_dir(settings, resume)
-        own = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
-        try:
-            self.init_checkpoint = resolve_checkpoint(settings.init)
-            if own is not None:
-                model = K3ForCausalLM(K3Config.from_dict(read_json(own / "config.json")))
-            else:
-                model = load_pretrained(self.init_checkpoint)
-        except (FileNotFoundError, CheckpointError, ValueError) as e:
-            raise TrainError(f"cannot load the student checkpoint: {e}") from None
-        self.tokenizer = load_tokenizer(self.run_dir if resume else self.init_checkpoint)
-        self._adopt_tokenizer(model.config)
-        try:
-            self.chat = XTML(self.tokenizer)
-        except ValueError as e:
-            raise TrainError(f"{settings.init}: {e}; distillation needs a chat model (a `k3 sft` run)") from None
+        model = self._load_chat_model(settings, resume, "distillation")
         self.teachers = [self._teacher(Path(t), settings) for t in settings.teachers]
         names = [t.name for t in self.teachers]
         if len(set(names)) != len(names):
@@ -116,13 +97,8 @@ class DistillTrainer(RLTrainer):
         self._write_run_files(settings, resume)
         self._setup_model(model, resume=False)
         self.ref_model = None
-        self.rollouts = Rollouts(self.model, EngineConfig(batch_invariant=settings.batch_invariant, seed=settings.seed,
-                                                          cuda_graphs=False),
-                                 xtml=self.chat, temperature=settings.temperature, max_tokens=settings.max_tokens)
-        self.unfinished, self.held, self.group_rewards, self.last_episodes = [], {}, {}, []
         self.teacher_gap = []
-        if resume:
-            self._restore_latest()
+        self._start_rollouts(resume)
 
     def _teacher(self, run: Path, s: DistillSettings) -> Teacher:
         try:

@@ -191,22 +191,7 @@ class RLTrainer(Trainer):
     # ------------------------------------------------------------------ setup
     def _setup(self, settings: RLSettings, resume: bool) -> None:
         _validate(settings, self.world.size)
-        self._prepare_run_dir(settings, resume)
-        own = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
-        try:
-            self.init_checkpoint = resolve_checkpoint(settings.init)
-            if own is not None:  # resume: _setup_model loads the run's own checkpoint into it
-                model = K3ForCausalLM(K3Config.from_dict(read_json(own / "config.json")))
-            else:
-                model = load_pretrained(self.init_checkpoint)
-        except (FileNotFoundError, CheckpointError, ValueError) as e:
-            raise TrainError(f"cannot load the initial checkpoint: {e}") from None
-        self.tokenizer = load_tokenizer(self.run_dir if resume else self.init_checkpoint)
-        self._adopt_tokenizer(model.config)
-        try:
-            self.chat = XTML(self.tokenizer)
-        except ValueError as e:
-            raise TrainError(f"{settings.init}: {e}; RL needs a chat model (a `k3 sft` run)") from None
+        model = self._load_chat_model(settings, resume, "RL")
         self.domain = make_domain(settings.domain, settings.seed, **settings.domain_options)
         self.pool: list[Task] = self.domain.tasks("train", settings.pool)
         self.heldout_tasks: list[Task] = self.domain.heldout(settings.heldout)
@@ -218,9 +203,35 @@ class RLTrainer(Trainer):
         if settings.kl_coef > 0:
             self.ref_model = load_pretrained(self.init_checkpoint).to(self.world.device).eval().requires_grad_(False)
         self.budgets = self._budgets(budgets)
-        self.rollouts = Rollouts(self.model, EngineConfig(batch_invariant=settings.batch_invariant, seed=settings.seed,
+        self._start_rollouts(resume)
+
+    def _load_chat_model(self, settings: RolloutSettings, resume: bool, verb: str) -> K3ForCausalLM:
+        """The run folder, the init model (on resume: an empty one of the run's own config, which the
+        checkpoint fills), its tokenizer and the XTML renderer (TrainError if it is no chat model)."""
+        self._prepare_run_dir(settings, resume)
+        own = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
+        try:
+            self.init_checkpoint = resolve_checkpoint(settings.init)
+            if own is not None:
+                model = K3ForCausalLM(K3Config.from_dict(read_json(own / "config.json")))
+            else:
+                model = load_pretrained(self.init_checkpoint)
+        except (FileNotFoundError, CheckpointError, ValueError) as e:
+            raise TrainError(f"cannot load the initial checkpoint: {e}") from None
+        self.tokenizer = load_tokenizer(self.run_dir if resume else self.init_checkpoint)
+        self._adopt_tokenizer(model.config)
+        try:
+            self.chat = XTML(self.tokenizer)
+        except ValueError as e:
+            raise TrainError(f"{settings.init}: {e}; {verb} needs a chat model (a `k3 sft` run)") from None
+        return model
+
+    def _start_rollouts(self, resume: bool) -> None:
+        """The rollout engine over the model, empty rollout state; on resume the latest checkpoint."""
+        s = self.s
+        self.rollouts = Rollouts(self.model, EngineConfig(batch_invariant=s.batch_invariant, seed=s.seed,
                                                           cuda_graphs=False),
-                                 xtml=self.chat, temperature=settings.temperature, max_tokens=settings.max_tokens)
+                                 xtml=self.chat, temperature=s.temperature, max_tokens=s.max_tokens)
         self.unfinished: list[Trajectory] = []  # resumed first next iteration
         self.held: dict[str, list[Trajectory]] = {}  # episode -> its finished turns, while a later turn runs
         self.group_rewards: dict[str, list[float]] = {}  # group -> rewards of its finished episodes
