@@ -53,11 +53,9 @@ from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
 from k3.serve.engine import EngineConfig
 from k3.text.tokenizer import load_tokenizer, save_tokenizer
 from k3.text.xtml import XTML
-from k3.train.balance import balance_step
 from k3.train.errors import TrainError
 from k3.train.muon import OPTIMIZERS
 from k3.train.packing import windows_for_step
-from k3.train.parallel import clip_grad_norm_
 from k3.train.trainer import BALANCE_RULES, Trainer
 
 BUDGETS_FILE = "budgets.json"
@@ -451,13 +449,7 @@ class RLTrainer(Trainer):
                 elif k != "tokens":
                     metrics[k] = metrics.get(k, 0.0) + v * w
             metrics["staleness"] = metrics.get("staleness", 0.0) + stale / max(total, 1)
-        grad_norm = clip_grad_norm_(self.model.parameters(), s.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
-        self.step += 1
+        grad_norm, lr, _ = self.optimizer_step()
         self.rollouts.policy_version = self.step
         self.tokens_seen += total
         return {"loss": metrics.pop("loss", 0.0), "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens_seen,

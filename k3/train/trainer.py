@@ -377,14 +377,7 @@ class Trainer:
             loss_sum = self._loss_sum(batch)
             (loss_sum * (world.size / targets)).backward()
             nll += loss_sum.detach()
-        grad_norm = clip_grad_norm_(self.model.parameters(), s.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loads = expert_loads(self.model)
-        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
-        self.step += 1
+        grad_norm, lr, loads = self.optimizer_step()
         step_tokens = self.global_tokens(local_tokens)
         self.tokens_seen += step_tokens
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -392,6 +385,20 @@ class Trainer:
         return {"kind": "train", "step": self.step, "loss": float(all_reduce_sum(nll, world)) / targets, "lr": lr,
                 "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3),
                 "step_tokens": step_tokens}
+
+    def optimizer_step(self) -> tuple[torch.Tensor, float, dict]:
+        """After the backward passes: clip, step the optimizer and the schedule, apply the
+        expert-balance rule (SPEC §6), count the step. Returns the gradient norm, the step's learning
+        rate and the experts' loads of the step."""
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loads = expert_loads(self.model)
+        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
+        self.step += 1
+        return grad_norm, lr, loads
 
     # ------------------------------------------------------------------ eval and samples
     @torch.no_grad()

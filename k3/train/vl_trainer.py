@@ -45,12 +45,10 @@ from k3.model.cache import K3Cache
 from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
 from k3.model.params import count_parameters, count_vision_parameters
 from k3.text.tokenizer import load_tokenizer, tokenizer_fingerprint, train_tokenizer
-from k3.train.balance import balance_step, expert_loads
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
 from k3.train.muon import OPTIMIZERS, Blocks, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, window, windows_for_step
-from k3.train.parallel import clip_grad_norm_
 from k3.train.trainer import Trainer, TrainSettings, validate_common
 from k3.train.vl_config import VLCheckpointConfig, load_vl_config
 from k3.train.vl_data import VLEncoder, corpus_texts, describe, pack_vl, scene_questions, scenes_for_step
@@ -282,14 +280,7 @@ class VLTrainer(Trainer):
             loss.backward()
             text_nll += text_sum.detach()
             vl_nll += vl_sum.detach()
-        grad_norm = clip_grad_norm_(self.model.parameters(), s.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loads = expert_loads(self.model)
-        balance_step(self.model, self.balance_rule)
-        self.step += 1
+        grad_norm, lr, loads = self.optimizer_step()
         self.tokens_seen += tokens
         text_loss = float(text_nll) / max(text_targets, 1)
         image_loss = float(vl_nll) / max(vl_answers, 1)
