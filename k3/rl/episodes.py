@@ -35,13 +35,6 @@ class Episode:
         return out
 
 
-def parse_reply(xtml, rendered, ids: Sequence[int]):
-    parser = xtml.parser_for(rendered)
-    parser.feed(list(ids))
-    parser.finish()
-    return parser.reply
-
-
 @torch.no_grad()
 def run_episodes(model, xtml, tasks: Sequence[Task], effort: str, max_tokens: int, *,
                  temperature: float = 0.0, seed: int | None = None) -> list[Episode]:
@@ -61,7 +54,7 @@ def run_episodes(model, xtml, tasks: Sequence[Task], effort: str, max_tokens: in
                             eos_token_id=xtml.stop_ids, seed=None if seed is None else seed + turn)
             still = []
             for i, r, ids in zip(active, rendered, outs):
-                reply = parse_reply(xtml, r, ids)
+                reply = xtml.parse_reply(r, ids)
                 turns[i].append(list(ids))
                 replies[i].append(reply)
                 if needs_another_turn(tasks[i], reply, turn):

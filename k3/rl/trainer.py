@@ -47,7 +47,7 @@ from k3.config import K3Config
 from k3.model.transformer import K3ForCausalLM
 from k3.rl.domains import DOMAIN_CLASSES, Task, continue_with_tool_results, make_domain, needs_another_turn
 from k3.rl.effort import EFFORTS, Budget, cold_start_budgets, length_of, load_budgets, save_budgets, shaped_reward
-from k3.rl.episodes import parse_reply, run_episodes, summarize
+from k3.rl.episodes import run_episodes, summarize
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, policy_loss, token_logprobs
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
 from k3.serve.engine import EngineConfig
@@ -328,7 +328,7 @@ class RLTrainer(Trainer):
     def _reply(self, t: Trajectory):
         task, effort = self.task_of(t.tag)
         rendered = task.render(self.chat, t.tag.get("messages"), effort)
-        return task, parse_reply(self.chat, rendered, t.completion_ids)
+        return task, self.chat.parse_reply(rendered, t.completion_ids)
 
     def _continuation(self, t: Trajectory, episode: str, task: Task, reply) -> Trajectory:
         """The next turn of a tool episode: the history with the tool results, as a fresh trajectory."""

@@ -30,13 +30,7 @@ def replies(model, chat: XTML, conversations: list[tuple[list[dict], list[dict] 
         return [], []
     rendered = [chat.render(m, tools=t) for m, t in conversations]
     outs = generate(model, [r.token_ids for r in rendered], max_tokens, eos_token_id=chat.stop_ids)
-    parsed = []
-    for r, ids in zip(rendered, outs):
-        parser = chat.parser_for(r)
-        parser.feed(ids)
-        parser.finish()
-        parsed.append(parser.reply)
-    return parsed, outs
+    return [chat.parse_reply(r, ids) for r, ids in zip(rendered, outs)], outs
 
 
 def assistant_message(reply) -> dict:

@@ -85,7 +85,7 @@ from tokenizers import Tokenizer, decoders
 
 from k3.text.tokenizer import CHAT_MARKERS, SPECIAL_TOKENS, encode_texts, prepare, special_ids
 from k3.text.xtml_markup import escape_attr, json_compact
-from k3.text.xtml_parser import ReplyParser
+from k3.text.xtml_parser import Reply, ReplyParser
 
 EFFORTS = ("low", "high", "max")
 DEFAULT_EFFORT = "max"  # the official chat template's default
@@ -518,3 +518,10 @@ class XTML:
         if rendered.opened is None:
             raise ValueError("the prompt was rendered without a generation prompt")
         return self.parser(tools=rendered.tools_offered, opened=rendered.opened, forced_tool=rendered.forced_tool)
+
+    def parse_reply(self, rendered: Rendered, ids) -> Reply:
+        """A whole generated reply to this rendered prompt, parsed (the stream parser, fed at once)."""
+        parser = self.parser_for(rendered)
+        parser.feed(list(ids))
+        parser.finish()
+        return parser.reply

@@ -335,10 +335,7 @@ class VLTrainer(Trainer):
                     logits = self.model.language_model(tokens[None], cu_seqlens=torch.arange(len(active) + 1, device=device),
                                                        cache=cache)[0]
             for r, out in zip(rendered, outputs):
-                parser = self.encoder.chat.parser_for(r)
-                parser.feed(out)
-                parser.finish()
-                answers.append(parser.reply.content.strip())
+                answers.append(self.encoder.chat.parse_reply(r, out).content.strip())
         self.model.train(was_training)
         return answers
 
