@@ -491,7 +491,8 @@ class RLTrainer(Trainer):
 
     # ------------------------------------------------------------------ outputs
     def train(self) -> dict:
-        if self.step == 0:  # the init model's held-out figures: the baseline the run is judged against
+        baseline = self.step == 0 and not any(r["kind"] == "heldout" for r in self.metrics.read())
+        if baseline:  # the init model's held-out figures (once: a resume before step 1 keeps them)
             ev = self.evaluate()
             self._record([ev, *self.samples()])
             self.log(self.eval_line(ev))
