@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._device import _device_constructors
+
+# `with torch.device(...)` looks factories up in a set cached on first use: built while torch.empty is
+# patched, it would hold the patch, and every later `with torch.device("meta")` would allocate on the CPU
+_device_constructors()
 
 
 def _poisoned(factory):

@@ -10,10 +10,11 @@ log-decay G_i = sum_{r<=i} g_r (per key channel) and S the state entering the ch
 
 Everything above the last line is batched over all chunks at once; only the last line (it needs S)
 loops over chunks. All math is fp32 and no exp ever sees a positive argument: pairwise decays between
-different 16-token sub-blocks factor through the earlier block's end (two factors <= 1, a matmul),
-and inside a sub-block they are built as exp(G_i - G_j) with the non-causal (j > i) entries set
-to -inf BEFORE exp, so they are exactly 0 and so are their gradients (masking after exp would give
-inf * 0 = NaN for large decays). Memory: a [B, H, T, 16, K] fp32 tensor for those diagonal blocks.
+the two halves of a block factor through the earlier half's end (two factors <= 1, a matmul), halves
+joined bottom up from 4-token blocks; inside those they are built as exp(G_i - G_j) with the
+non-causal (j > i) entries set to -inf BEFORE exp, so they are exactly 0 and so are their gradients
+(masking after exp would give inf * 0 = NaN for large decays). Memory: a [B, H, T, 4, K] fp32
+tensor for those diagonal blocks.
 T need not be a multiple of C: the last chunk is padded with q = k = v = 0, g = 0 (no
 decay) and beta = 0 (no write), which changes no real output and no final state.
 """
@@ -25,7 +26,7 @@ from k3.ops.kda.inputs import check_kda_inputs
 from k3.ops.varlen import pack, unpack
 
 CHUNK_SIZES = (16, 32, 64)
-SUB = 16  # sub-block of the exact pairwise decays (FlashKDA tiles at 16 too)
+DIAG = 4  # diagonal blocks with explicit pairwise decays; larger halves are matmuls (fastest on CPU)
 
 
 def kda_chunk(
@@ -84,10 +85,11 @@ def _chunked(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int):
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
     outs = []
-    for n in range(NC):
-        v_new = u[:, :, n] - w[:, :, n] @ S  # the delta-rule corrections given the entering state
-        outs.append(q_decayed[:, :, n] @ S + A_qk[:, :, n] @ v_new)
-        S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    # unbind, not u[:, :, n]: each indexing's backward would zero-fill a whole [B, H, NC, ...] tensor
+    for u_n, w_n, qd_n, a_n, decay_n, k_n in zip(*(t.unbind(2) for t in (u, w, q_decayed, A_qk, chunk_decay, k_to_end))):
+        v_new = u_n - w_n @ S  # the delta-rule corrections given the entering state
+        outs.append(qd_n @ S + a_n @ v_new)
+        S = decay_n * S + k_n.transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, C, V)  # [B, H, NC, C, V]
     return o.permute(0, 2, 3, 1, 4).reshape(B, T, H, V), S
 
@@ -96,36 +98,32 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tu
     """q, k, G [..., C, K] -> (A_qk, A_kk') [..., C, C], A_xk[i, j] = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c])
     for j <= i and 0 above the diagonal (the caller drops A_kk's diagonal).
 
-    The chunk is cut into sub-blocks of SUB tokens. Between different sub-blocks I > J the decay
-    factors through the last position r of block J: exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j),
-    both exponents <= 0, so A[I, J] is a plain matmul that can neither overflow nor lose the pairwise
-    exactness. Only the diagonal sub-blocks need the explicit [SUB, SUB, K] pairwise decays, so the
-    memory is T * SUB * K per head instead of T * C * K.
+    Built bottom up by halves: between the two halves of a block of 2b tokens the decay factors
+    through the last position r of the earlier half, exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j),
+    both exponents <= 0, so that quadrant is one [b, K] x [K, b] matmul of once-decayed rows. Only
+    DIAG-token blocks on the diagonal need explicit [DIAG, DIAG, K] pairwise decays. So the
+    elementwise work is ~T * K * (DIAG + 2 log2(C / DIAG)) per head instead of T * K * C, and no exp
+    sees a positive argument. q and k share every decay factor, so they go through stacked.
     """
     C = q.shape[-2]
-    sub = min(SUB, C)
-    nb = C // sub
-    qb, kb, Gb = (t.unflatten(-2, (nb, sub)) for t in (q, k, G))  # [..., nb, sub, K]
-    # Diagonal sub-blocks, exact: non-causal pairs go to -inf BEFORE exp (exact zeros, finite grads).
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
+    d = min(DIAG, C)
+    x = torch.stack([q, k])  # [2, ..., C, K]
+    xb, kb, Gb = (t.unflatten(-2, (C // d, d)) for t in (x, k, G))
+    causal = torch.ones(d, d, dtype=torch.bool, device=q.device).tril()
     decay = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
-    decayed_k = decay * kb[..., None, :, :]  # [..., nb, sub(i), sub(j), K]: k_j decayed to i, shared by q and k
-    eye = torch.eye(nb, dtype=q.dtype, device=q.device)
-
-    def scores(xb: torch.Tensor) -> torch.Tensor:
-        diag = (decayed_k @ xb[..., None]).squeeze(-1)  # [..., nb, sub, sub]
-        return torch.einsum("...Iis,IJ->...IiJs", diag, eye)  # placed on the block diagonal
-
-    A_qk, A_kk = scores(qb), scores(kb)
-    if nb > 1:
-        G_ref = Gb[..., -1, :]  # [..., nb, K]: each block's last cumulative decay
-        k_ref = kb * (G_ref[..., None, :] - Gb).exp()  # k_j decayed to its block's end: [..., nb(J), sub, K]
-        later = torch.arange(C, device=q.device)[None, :] // sub > torch.arange(nb, device=q.device)[:, None]
-        to_ref = (G[..., None, :, :] - G_ref[..., :, None, :]).masked_fill(~later[:, :, None], float("-inf")).exp()
-
-        def across(x: torch.Tensor) -> torch.Tensor:  # x [..., C, K] -> [..., nb(I), sub, nb(J), sub], 0 unless I > J
-            off = (x[..., None, :, :] * to_ref) @ k_ref.transpose(-1, -2)
-            return off.unflatten(-2, (nb, sub)).movedim(-4, -2)
-
-        A_qk, A_kk = A_qk + across(q), A_kk + across(k)
-    return A_qk.flatten(-4, -3).flatten(-2, -1), A_kk.flatten(-4, -3).flatten(-2, -1)
+    # a sum, not a matmul: a [d, K] x [K, 1] bmm per row has a backward of tiny outer products
+    A = (xb[..., :, None, :] * (decay * kb[..., None, :, :])).sum(-1)  # [2, ..., C/d, d, d]
+    b = d
+    while b < C:  # join sibling blocks of b tokens into blocks of 2b
+        n = C // (2 * b)
+        (_, x_late), (k_early, _), (G_early, G_late) = (t.unflatten(-2, (n, 2, b)).unbind(-3) for t in (x, k, G))
+        G_r = G_early[..., -1:, :]  # [..., n, 1, K]: the earlier sibling's last cumulative decay
+        k_early = k_early * (G_r - G_early).exp()  # each k_j decayed to r
+        x_late = x_late * (G_late - G_r).exp()  # each x_i decayed from r
+        cross = x_late @ k_early.transpose(-1, -2)  # [2, ..., n, b, b]
+        A_early, A_late = A.unflatten(-3, (n, 2)).unbind(-3)
+        top = torch.cat([A_early, torch.zeros_like(cross)], dim=-1)
+        A = torch.cat([top, torch.cat([cross, A_late], dim=-1)], dim=-2)  # [2, ..., n, 2b, 2b]
+        b *= 2
+    A_qk, A_kk = A.squeeze(-3).unbind(0)
+    return A_qk, A_kk
