@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reasoning-effort", default=None, help="low | high | max (default max; OpenAI's names are mapped)")
-    p.add_argument("--no-thinking", action="store_true", help="reply without the think channel")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="reply with the think channel (default: on, or as the --run was trained)")
     p.add_argument("--verbose", action="store_true", help="after each reply, also show prompt tokens and "
                                                           "how many came from the prefix cache")
 
@@ -45,7 +46,7 @@ def show(events) -> None:
 
 
 def run(args) -> int:
-    from k3.serve.loading import load_for_serving
+    from k3.serve.loading import load_for_serving, run_chat_defaults
     from k3.serve.sampling import SamplingParams
     from k3.text.xtml import XTML, map_reasoning_effort
 
@@ -59,6 +60,7 @@ def run(args) -> int:
         engine = build_engine(model, args)
     except LOAD_ERRORS as e:
         return usage_error("chat", e)
+    thinking = args.thinking if args.thinking is not None else run_chat_defaults(args.run).get("thinking", True)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"k3 chat with {name}: empty line or Ctrl-D to quit")
     if not chat_tuned:
@@ -71,7 +73,7 @@ def run(args) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=not args.no_thinking)
+        prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking)
         budget = min(args.max_tokens, engine.max_model_len - len(prompt.token_ids))
         if budget < 1:
             print("[the conversation fills the model length]")

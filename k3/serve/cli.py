@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -101,13 +102,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the model id clients use (default: the run/checkpoint name)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted (beyond it: HTTP 413); default %(default)s")
+    p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help='chat template options for requests that send none, e.g. \'{"thinking": false}\' '
+                        "(default: what the --run was trained with, else the template's: thinking on)")
     p.add_argument("--log-level", default="info")
+
+
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object, or a one-line error."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def run(args) -> int:
     from k3.serve.api.server import build_app, run_server
     from k3.serve.engine import AsyncEngine
-    from k3.serve.loading import load_for_serving
+    from k3.serve.loading import load_for_serving, run_chat_defaults
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.max_request_bytes < 1:
@@ -118,7 +133,16 @@ def run(args) -> int:
         engine = AsyncEngine(build_engine(model, args), tokenizer)
     except LOAD_ERRORS as e:
         return usage_error("serve", e)
-    app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key,
-                    max_request_bytes=args.max_request_bytes)
+    chat_defaults = args.default_chat_template_kwargs
+    if chat_defaults is None:
+        chat_defaults = run_chat_defaults(args.run)
+        if chat_defaults:
+            logging.getLogger("k3.serve").info("chat requests without chat_template_kwargs: %s (as the run was "
+                                               "trained; --default-chat-template-kwargs overrides)", chat_defaults)
+    try:
+        app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key,
+                        max_request_bytes=args.max_request_bytes, default_chat_template_kwargs=chat_defaults)
+    except ValueError as e:
+        return usage_error("serve", e)
     run_server(app, args.host, args.port)
     return 0

@@ -64,6 +64,19 @@ def is_chat_tuned(tokenizer_file: Path) -> bool:
         return False
 
 
+def run_chat_defaults(run: str | None) -> dict:
+    """The chat template options a run folder was trained with (its run.json): {"thinking": False}
+    for a vision-language run trained without the think channel (`vl_thinking`), else {}. Requests
+    that do not say otherwise are then rendered the way the run learned."""
+    if run is None:
+        return {}
+    try:
+        settings = json.loads((Path(run) / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}  # a checkpoint folder, or no run.json: the template's own defaults
+    return {"thinking": False} if isinstance(settings, dict) and settings.get("vl_thinking") is False else {}
+
+
 class Served(NamedTuple):
     model: torch.nn.Module  # in eval mode
     tokenizer: Tokenizer

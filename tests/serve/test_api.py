@@ -202,6 +202,33 @@ def test_tool_choice_and_checked_calls(scripted):
     wait_idle(engine)
 
 
+def test_default_chat_template_kwargs(tokenizer, tmp_path):
+    """`--default-chat-template-kwargs` (and a run trained thinking-off) renders requests that send no
+    chat_template_kwargs thinking off; a request's own kwargs still win; bad defaults are one line."""
+    from k3.serve.loading import run_chat_defaults
+
+    model = scripted_chat_model(tokenizer, REPLY, after_tool=ANSWER)
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=2048))
+    app = build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="scripted",
+                    default_chat_template_kwargs={"thinking": False})
+    messages = [{"role": "user", "content": "What is the weather in Paris today?"}]
+    with ServerThread(app) as server:
+        c = client(server)
+        plain = c.chat.completions.create(model="scripted", messages=messages, temperature=0, max_tokens=8)
+        assert plain.choices[0].message.model_extra.get("reasoning") is None
+        on = c.chat.completions.create(model="scripted", messages=messages, temperature=0, max_tokens=64,
+                                       extra_body={"chat_template_kwargs": {"thinking": True}})
+        assert on.choices[0].message.model_extra.get("reasoning") == REPLY["reasoning_content"]
+    for bad in ({"thinking": "no"}, {"enable_thinking": False}):
+        with pytest.raises(ValueError, match="default chat template kwargs") as e:
+            build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="x", default_chat_template_kwargs=bad)
+        assert "\n" not in str(e.value)
+    (tmp_path / "run.json").write_text(json.dumps({"vl_thinking": False}))
+    assert run_chat_defaults(str(tmp_path)) == {"thinking": False}
+    (tmp_path / "run.json").write_text(json.dumps({"vl_thinking": True}))
+    assert run_chat_defaults(str(tmp_path)) == {} == run_chat_defaults(str(tmp_path / "none")) == run_chat_defaults(None)
+
+
 # ---------------------------------------------------------------------- errors
 def test_api_key(scripted):
     server, _ = scripted

@@ -304,9 +304,10 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
         return self
 
-    @property
-    def thinking(self) -> bool:
-        return self.chat_template_kwargs is None or self.chat_template_kwargs.thinking
+    def thinking(self, default: ChatTemplateKwargs | None = None) -> bool:
+        """The request's own chat_template_kwargs, else the server's defaults, else the template's."""
+        kwargs = self.chat_template_kwargs or default
+        return kwargs is None or kwargs.thinking
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -20,7 +20,8 @@ from tokenizers import Tokenizer
 from k3.data.image_processor import ImageProcessor
 from k3.serve.api.images import prepare_images
 from k3.serve.api.metrics import Metrics
-from k3.serve.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse
+from k3.serve.api.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest,
+                                  ErrorResponse)
 from k3.serve.api.tool_calls import ToolCallChecker
 from k3.serve.engine import AsyncEngine, EngineError, ImageInput, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
@@ -38,6 +39,7 @@ class ServingContext:
     metrics: Metrics
     created: int
     images: ImageProcessor | None = None  # a vision model's processor; None: text only
+    chat_defaults: ChatTemplateKwargs | None = None  # --default-chat-template-kwargs, or the run's (run.json)
 
 
 router = APIRouter()
@@ -345,7 +347,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             media = [[ctx.engine.engine.vision.config.media_placeholder_token_id] * n for n in prepared.counts]
         rendered = await asyncio.to_thread(
             ctx.chat.render, messages,
-            tools=tools if use_tools else None, reasoning_effort=body.reasoning_effort, thinking=body.thinking,
+            tools=tools if use_tools else None, reasoning_effort=body.reasoning_effort,
+            thinking=body.thinking(ctx.chat_defaults),
             tool_choice=tool_choice if use_tools else None, media=media)
         if ctx.images is not None:
             images = [ImageInput(offset, pv, grid, digest) for offset, pv, grid, digest in zip(

@@ -18,13 +18,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
 from k3.data.image_processor import ImageProcessor
 from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES, RequestGate
 from k3.serve.api.metrics import Metrics
-from k3.serve.api.protocol import APIError
+from k3.serve.api.protocol import APIError, ChatTemplateKwargs
 from k3.serve.api.routes import ServingContext, router
 from k3.serve.engine import AsyncEngine
 from k3.text.xtml import XTML
@@ -36,8 +37,23 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def chat_template_defaults(kwargs: dict | None) -> ChatTemplateKwargs | None:
+    """`--default-chat-template-kwargs` (vLLM's flag), checked as a request's would be; ValueError
+    in one line for an unknown key or a wrong type."""
+    if not kwargs:
+        return None
+    try:
+        return ChatTemplateKwargs.model_validate(kwargs)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"default chat template kwargs: {problems}") from None
+
+
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              default_chat_template_kwargs: dict | None = None) -> FastAPI:
+    """default_chat_template_kwargs: used by chat requests that send no chat_template_kwargs."""
+    chat_defaults = chat_template_defaults(default_chat_template_kwargs)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -53,7 +69,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
     vision = engine.engine.vision
     images = None if vision is None else ImageProcessor.from_vision_config(vision.config.vision_config)
     app.state.ctx = ServingContext(engine, tokenizer, chat, model_name, Metrics(engine.engine), int(time.time()),
-                                   images)
+                                   images, chat_defaults)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
