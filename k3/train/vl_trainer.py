@@ -63,15 +63,17 @@ class VLSettings(TrainSettings):
     fit the 15-minute budget of the default run on 2 CPU cores (docs/VISION.md, Joint training)."""
     config: str = "k3-tiny-vl"
     steps: int = 560
-    batch_size: int = 1  # text windows per step (a fifth of the row: the VL answers are the hard part)
-    seq_len: int = 256  # as long as a VL document: the chunked KDA pads every segment of a row to the longest
+    batch_size: int = 2  # text windows per step (about a sixth of the row: the VL answers are the hard part)
+    seq_len: int = 160  # as long as a VL document: the chunked KDA pads every segment of a row to the longest
     lr: float = 4e-3
     eval_every: int = 280  # a held-out eval prefills 400 chat prompts and decodes each reply's markers
     eval_windows: int | None = 16
     ckpt_every: int = 100
-    vl_scenes: int = 4  # VL documents (scenes) per step: 4-turn conversations of about 240 tokens
+    vl_scenes: int = 11  # VL documents (scenes) per step: 4-turn conversations of about 145 tokens
     vl_questions: int = 4  # questions per scene: chat turns, each answer learned
-    vl_thinking: bool = True  # documents and held-out prompts with the think channel: the server's default
+    # without the think channel: 2.7x the answers per token, and `k3 serve --run` renders requests
+    # the same way (run.json); with it, 560 steps of 4 scenes did not learn to read images (docs/VISION.md)
+    vl_thinking: bool = False
     image_size: int = 84  # 6 x 6 patches of 14: each cell of the corpus's 3 x 3 grid is one merged row
     vl_describe: bool = False  # end each VL document with the scene's cell-by-cell description, learned
     vl_loss_weight: float = 1.0
