@@ -120,7 +120,7 @@ def json_object(text: str) -> dict:
 
 
 def run(args) -> int:
-    from k3.serve.api.server import build_app, run_server
+    from k3.serve.api.server import build_app, chat_template_defaults, run_server
     from k3.serve.engine import AsyncEngine
     from k3.serve.loading import load_for_serving, run_chat_defaults
 
@@ -129,6 +129,7 @@ def run(args) -> int:
         return usage_error("serve", ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}"))
     try:
         check_engine_settings(args)
+        chat_template_defaults(args.default_chat_template_kwargs)  # a bad value fails before the model loads
         model, tokenizer, name, _ = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
         engine = AsyncEngine(build_engine(model, args), tokenizer)
     except LOAD_ERRORS as e:
@@ -139,10 +140,7 @@ def run(args) -> int:
         if chat_defaults:
             logging.getLogger("k3.serve").info("chat requests without chat_template_kwargs: %s (as the run was "
                                                "trained; --default-chat-template-kwargs overrides)", chat_defaults)
-    try:
-        app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key,
-                        max_request_bytes=args.max_request_bytes, default_chat_template_kwargs=chat_defaults)
-    except ValueError as e:
-        return usage_error("serve", e)
+    app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes, default_chat_template_kwargs=chat_defaults)
     run_server(app, args.host, args.port)
     return 0

@@ -467,3 +467,18 @@ def test_cli_bad_model_is_one_line_exit_2(tmp_path, capsys, command):
         assert mod.run(p.parse_args(argv)) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"k3 {command}: error: ") and "\n" not in err, err
+
+
+def test_cli_bad_default_chat_template_kwargs_fail_before_loading(tmp_path, capsys):
+    import argparse
+
+    from k3.serve import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--model", str(tmp_path / "nope"), "--default-chat-template-kwargs", '{"thinking": "maybe"}'])
+    assert cli.run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("k3 serve: error: default chat template kwargs: thinking") and "\n" not in err, err
+    with pytest.raises(SystemExit):  # not a JSON object: argparse's usage error
+        p.parse_args(["--model", "m", "--default-chat-template-kwargs", "[1]"])

@@ -306,7 +306,7 @@ class ChatCompletionRequest(_Sampling):
 
     def thinking(self, default: ChatTemplateKwargs | None = None) -> bool:
         """The request's own chat_template_kwargs, else the server's defaults, else the template's."""
-        kwargs = self.chat_template_kwargs or default
+        kwargs = self.chat_template_kwargs if self.chat_template_kwargs is not None else default
         return kwargs is None or kwargs.thinking
 
     @property

@@ -54,6 +54,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
               default_chat_template_kwargs: dict | None = None) -> FastAPI:
     """default_chat_template_kwargs: used by chat requests that send no chat_template_kwargs."""
     chat_defaults = chat_template_defaults(default_chat_template_kwargs)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
