@@ -78,13 +78,21 @@ def settings_from(args, defaults, cls):
     return dataclasses.replace(defaults, **changes, init=init)
 
 
-def run(args) -> int:
-    done = train_verb("rl", args, RLTrainer, lambda a: settings_from(a, _DEFAULTS, RLSettings),
+def run_verb(verb: str, args, trainer_class, defaults, settings_class):
+    """`train_verb` for `k3 rl` and `k3 distill`: (trainer, result, held-out records), or an exit code."""
+    done = train_verb(verb, args, trainer_class, lambda a: settings_from(a, defaults, settings_class),
                       (TrainError, ResumeStateError))
     if isinstance(done, int):
         return done
     trainer, result = done
-    held = [r for r in trainer.metrics.read() if r["kind"] == "heldout"]
+    return trainer, result, [r for r in trainer.metrics.read() if r["kind"] == "heldout"]
+
+
+def run(args) -> int:
+    done = run_verb("rl", args, RLTrainer, _DEFAULTS, RLSettings)
+    if isinstance(done, int):
+        return done
+    trainer, result, held = done
     if trainer.world.is_main and held:
         first, last = held[0], held[-1]
         print(f"\nRL run saved to {result['run_dir']}\n"

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from k3.checkpoint.training_state import ResumeStateError
-from k3.rl.cli import add_rl_arguments, settings_from
+from k3.rl.cli import add_rl_arguments, run_verb
 from k3.rl.distill import DistillSettings, DistillTrainer
-from k3.train.cli import train_verb
-from k3.train.trainer import TrainError
 
 _DEFAULTS = DistillSettings()
 
@@ -25,12 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    done = train_verb("distill", args, DistillTrainer, lambda a: settings_from(a, _DEFAULTS, DistillSettings),
-                      (TrainError, ResumeStateError))
+    done = run_verb("distill", args, DistillTrainer, _DEFAULTS, DistillSettings)
     if isinstance(done, int):
         return done
-    trainer, result = done
-    held = [r for r in trainer.metrics.read() if r["kind"] == "heldout"]
+    trainer, result, held = done
     if trainer.world.is_main and held:
         last = held[-1]
         lines = [f"\nDistillation run saved to {result['run_dir']} ({result['elapsed'] / 60:.1f} min)"]
