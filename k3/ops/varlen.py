@@ -12,7 +12,6 @@ sequence's real end), so padded positions never change a real output or a final 
 from __future__ import annotations
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, tokens: int) -> int:
@@ -40,16 +39,35 @@ def longest_sequence(tokens: int, cu_seqlens: torch.Tensor | None) -> int:
     return tokens if cu_seqlens is None else int(cu_seqlens.diff().max())
 
 
+def _padded_positions(lengths: list[int], t_pad: int, device) -> torch.Tensor:
+    """Row n*t_pad + i of an [N, t_pad] grid for every real token i < lengths[n], in packed order."""
+    starts = torch.arange(len(lengths), device=device) * t_pad
+    counts = torch.tensor(lengths, device=device)
+    return torch.repeat_interleave(starts, counts) + (
+        torch.arange(int(counts.sum()), device=device)
+        - torch.repeat_interleave(counts.cumsum(0) - counts, counts))
+
+
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     """[1, T, ...] packed -> [N, T_pad, ...] zero-padded, T_pad = max length rounded up to `multiple`."""
     lengths = seq_lengths(cu_seqlens)
-    padded = pad_sequence(list(x[0].split(lengths)), batch_first=True)
-    extra = -padded.shape[1] % multiple
-    if extra:
-        padded = torch.cat([padded, padded.new_zeros(padded.shape[0], extra, *padded.shape[2:])], dim=1)
-    return padded
+    t_pad = -(-max(lengths) // multiple) * multiple
+    if all(n == t_pad for n in lengths):  # equal windows (a training batch of whole windows): no copy
+        return x.reshape(len(lengths), t_pad, *x.shape[2:]).contiguous()
+    # one scatter into zeros, not a select per sequence: per-sequence slicing makes backward
+    # zero-fill a whole [N, T_pad, ...] gradient once per sequence
+    rows = _padded_positions(lengths, t_pad, x.device)
+    out = x.new_zeros(len(lengths) * t_pad, *x.shape[2:]).index_copy(0, rows, x[0])
+    return out.view(len(lengths), t_pad, *x.shape[2:])
 
 
 def pack(y: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[N, T_pad, ...] -> [1, T, ...]: the inverse of `unpack` (padding dropped)."""
-    return torch.cat([y[n, :length] for n, length in enumerate(seq_lengths(cu_seqlens))]).unsqueeze(0)
+    lengths = seq_lengths(cu_seqlens)
+    N, t_pad = y.shape[:2]
+    if all(n == t_pad for n in lengths):
+        # contiguous, as the per-sequence cat was: a strided result (the conv's transposed output)
+        # sends later products down another BLAS kernel, whose rounding batch-invariant mode pins
+        return y.reshape(1, N * t_pad, *y.shape[2:]).contiguous()
+    rows = _padded_positions(lengths, t_pad, y.device)
+    return y.reshape(N * t_pad, *y.shape[2:]).index_select(0, rows).unsqueeze(0)
