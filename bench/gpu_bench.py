@@ -2,8 +2,14 @@
 
     python -m bench.gpu_bench [--only train,kda,decode,moe,serve] [--seconds 500] [--jsonl FILE]
     python -m bench.gpu_bench --smoke          # every code path on CPU at tiny sizes
+    python -m bench.gpu_bench --config k3-slice --batches 1,8,32 --only decode   # K3's widths
+    python -m bench.gpu_bench --config k3-slice --layers 2 --only train          # fits 80 GB
 
-- train:  one training step of k3-1b at 4096 tokens per sequence (bf16 autocast, fp32 weights,
+`--config` (a preset or config.json; default k3-1b) is the model of train, kda, decode and moe;
+`--layers N` cuts it to N layers (3:1 KDA:MLA, AttnRes blocks of N/2). k3-slice's 4 layers train
+only on an H200: fp32 weights and AdamW state are 16 bytes a parameter.
+
+- train:  one training step of the model at 4096 tokens per sequence (bf16 autocast, fp32 weights,
           fused AdamW), tokens/s and MFU against the measured bf16 matmul rate and the 989 TFLOP/s
           datasheet rate. FLOPs per token (stated in docs/BENCHMARKS.md too):
               6 * N_active                                  (N_active: k3/model/params.py — the
@@ -18,7 +24,7 @@
           dims, K3 gate: safe_gate, lower bound -5), the bare KDA op as k3's layer calls it (fla's
           chunk_kda, gate in-kernel with safe_gate), k3's gated MLA layer, and causal SDPA with the
           same heads (d=128): ms, achieved TFLOP/s and ratios.
-- decode: tokens/s of k3-1b (bf16, absorbed MLA; CUDA-graph replay, eager at batch 1, then with
+- decode: tokens/s of the model (bf16, absorbed MLA; CUDA-graph replay, eager at batch 1, then with
           compiled regions) at batch 1, 8, 64 and context 1K..128K, the cache
           built directly with random states and latents of the right size, against the bandwidth
           bound (bytes a step must read: weights incl. the expected distinct routed experts, KDA
@@ -112,6 +118,31 @@ def train_flops_per_token(cfg: K3Config, T: int) -> dict:
     return {"active_params": active, **parts, "total": sum(parts.values())}
 
 
+@dataclass
+class Shape:
+    """What main's arguments choose for every bench: the model (optionally cut to `layers`, the
+    3:1 layout and two AttnRes blocks kept) and the decode batch sizes."""
+    config: str = "k3-1b"
+    layers: int | None = None
+    batches: tuple[int, ...] = (1, 8, 64)
+
+    def load(self, smoke: bool) -> K3Config:
+        cfg = load_config("k3-tiny" if smoke else self.config)
+        if self.layers and not smoke:
+            cfg = cfg.replace(num_hidden_layers=self.layers, kda_layers=[], full_attn_layers=[],
+                              attn_res_block_size=max(1, self.layers // 2))
+        return cfg
+
+    def name(self, smoke: bool) -> str:
+        if smoke:
+            return "k3-tiny"
+        name = Path(self.config).stem if self.config.endswith(".json") else self.config
+        return f"{name} L{self.layers}" if self.layers else name
+
+
+SHAPE = Shape()
+
+
 # ----------------------------------------------------------------------------- (1) training step
 def bench_train(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
     _train(device, smoke, ceilings, record, deadline, "bf16 autocast, fp32 weights, fused AdamW")
@@ -136,18 +167,34 @@ def training_step(cfg: K3Config, device: torch.device):
 
 
 def _train(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float, note: str) -> None:
-    cfg = load_config("k3-tiny" if smoke else "k3-1b")
+    cfg = SHAPE.load(smoke)
     T = 64 if smoke else 4096
-    model, opt, step = training_step(cfg, device)
+    try:
+        model, opt, step = training_step(cfg, device)
+    except torch.cuda.OutOfMemoryError as exc:
+        _skip(record, "train", SHAPE.name(smoke), f"the weights and AdamW state do not fit: {str(exc)[:120]}")
+        return
 
     def batch(b: int) -> torch.Tensor:
         return torch.randint(0, cfg.vocab_size, (b, T + 1), device=device)
 
     probe = 1
     try:
-        step(batch(probe))
+        while True:  # a wide model's single 4096-token sequence may not fit: halve T down to 1024
+            try:
+                step(batch(probe))
+                break
+            except torch.cuda.OutOfMemoryError:
+                opt.zero_grad(set_to_none=True)
+                _free(device)
+                if T <= 1024:
+                    _skip(record, "train", f"{SHAPE.name(smoke)} T{T} B1", "out of memory: not even one sequence of 1024 "
+                          "tokens fits beside the fp32 weights and AdamW state (--layers cuts the model)")
+                    return
+                T //= 2
+                note += f"; T halved to {T} (a 2T sequence did not fit)"
     except RuntimeError as exc:
-        if "dtype" not in str(exc):
+        if "dtype" not in str(exc) or isinstance(exc, torch.cuda.OutOfMemoryError):
             raise
         # torch._grouped_mm is not autocast-aware (pytorch#174763): bf16 activations meet fp32
         # expert weights. Measure what runs: the routed-expert banks held in bf16.
@@ -188,7 +235,7 @@ def _train(device: torch.device, smoke: bool, ceilings: dict, record: Record, de
 
     def measure(label: str, step_s: float, detail: str = "") -> None:
         peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
-        name = f"{'k3-tiny' if smoke else 'k3-1b'} T{T} B{B} {label}"
+        name = f"{SHAPE.name(smoke)} T{T} B{B} {label}"
         # do_bench runs at least 8 steps (1 + 5 to estimate + warm-up + repeats): fit them in the deadline.
         left = deadline - time.monotonic() - 5
         if left < 8 * step_s:
@@ -261,7 +308,7 @@ def _kda_op(cfg: K3Config, impl: str, device) -> Callable:
 
 def fla_kda_layer(cfg: K3Config) -> torch.nn.Module:
     """flash-linear-attention's own layer (fla.layers ships in the flash-linear-attention wheel,
-    not fla-core) with k3-1b's heads and dims and the K3 gate (safe_gate, lower bound -5)."""
+    not fla-core) with the model's heads and dims and the K3 gate (safe_gate, lower bound -5)."""
     from fla.layers import KimiDeltaAttention as FlaKimiDeltaAttention
 
     return FlaKimiDeltaAttention(hidden_size=cfg.hidden_size, head_dim=cfg.kda_head_dim,
@@ -331,7 +378,7 @@ def sdpa_backends_for_mla(cfg: K3Config, device: torch.device, record: Record) -
 
 
 def bench_kda(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
-    cfg = load_config("k3-tiny" if smoke else "k3-1b")
+    cfg = SHAPE.load(smoke)
     fla = device.type == "cuda" and fla_kernels.available()
     if device.type == "cuda":
         sdpa_backends_for_mla(cfg, device, record)
@@ -438,9 +485,9 @@ DECODE_STEPS_PER_CALL = 32  # timed back to back, then the cache lengths are res
 
 
 def bench_decode(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
-    base = load_config("k3-tiny" if smoke else "k3-1b").replace(mla_impl="absorb")
+    base = SHAPE.load(smoke).replace(mla_impl="absorb")
     dtype = torch.bfloat16
-    batches, contexts = ((1, 2), (16, 64)) if smoke else ((1, 8, 64), (1024, 8192, 32768, 131072))
+    batches, contexts = ((1, 2), (16, 64)) if smoke else (SHAPE.batches, (1024, 8192, 32768, 131072))
     budget_bytes = 0.55 * (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 4 * GB)
     models, compiled = {}, {}
     for variant, cfg in (("hybrid", base), ("all-MLA", all_mla(base))):
@@ -542,7 +589,7 @@ def _decode_ms(model: K3ForCausalLM, batch: int, context: int, device, dtype, sm
 
 # ----------------------------------------------------------------------------- (4) routed experts
 def bench_moe(device: torch.device, smoke: bool, ceilings: dict, record: Record, deadline: float) -> None:
-    cfg = load_config("k3-tiny" if smoke else "k3-1b")
+    cfg = SHAPE.load(smoke)
     bank = RoutedExperts(cfg, cfg.moe_hidden_size, cfg.moe_intermediate_size)
     bank.reset_parameters()
     bank = bank.to(device, torch.bfloat16)
@@ -658,7 +705,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=math.inf,
                         help="wall-clock budget from the start: sizes that would not finish inside it are skipped")
     parser.add_argument("--jsonl", type=Path, help="append every result to this file as a JSON line, as it comes")
+    parser.add_argument("--config", default=SHAPE.config,
+                        help="model of train, kda, decode and moe: a preset or config.json (default k3-1b)")
+    parser.add_argument("--layers", type=int, help="cut the model to this many layers (3:1 KDA:MLA kept)")
+    parser.add_argument("--batches", default=",".join(map(str, SHAPE.batches)), help="decode batch sizes")
     args = parser.parse_args(argv)
+    try:
+        SHAPE.config, SHAPE.layers = args.config, args.layers
+        SHAPE.batches = tuple(int(b) for b in args.batches.split(","))
+        if args.layers is not None and args.layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {args.layers}")
+        SHAPE.load(smoke=False)
+    except (ValueError, OSError) as exc:
+        parser.error(f"--config/--layers/--batches: {exc}")
     only = [name.strip() for name in args.only.split(",") if name.strip()]
     if unknown := [name for name in only if name not in BENCHES]:
         parser.error(f"--only: unknown {unknown}; choose from {', '.join(BENCHES)}")
