@@ -36,6 +36,9 @@ def add_rl_arguments(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--batch-invariant", action="store_true", default=None,
                    help="rollouts and trainer in batch-invariant arithmetic (CPU, slower): recorded log-probs "
                         "equal the trainer's bit for bit, QAT included")
+    p.add_argument("--no-share-prompts", dest="share_prompts", action="store_false", default=None,
+                   help="pack every trajectory whole in the trainer's forward instead of running each distinct "
+                        "prompt once (same loss; K times the prompt tokens)")
     p.add_argument("--eval-every", type=int, help=f"iterations between held-out evals (default {d.eval_every})")
     add_run_arguments(p, d)
 

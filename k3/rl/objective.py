@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.ops.batch_invariant import batch_invariant as batch_invariant_mode
+from k3.rl.shared_prompts import shared_prompt_logits
 
 AGGREGATIONS = ("token", "sequence")
 
@@ -199,18 +200,21 @@ def pack_trajectories(trajectories: Sequence, advantages: Sequence[float] | torc
 
 
 def token_logprobs(model, batch: RLBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-                   batch_invariant: bool = False):
+                   batch_invariant: bool = False, share_prompts: bool = False):
     """The trainer's log pi_T of every target [T] (0 off the mask; differentiable), and with
     `with_entropy` the per-position entropy of pi_T [T] (detached). One packed forward with
     cu_seqlens (trajectories never see each other); logits only at the masked positions.
     `batch_invariant`: compute in k3.ops.batch_invariant's arithmetic (CPU), the same as a
     batch-invariant rollout engine: the recomputed log-probs then equal the rollout's bit for bit,
-    QAT included (elsewhere an ulp of difference upstream can flip an MXFP8 rounding)."""
+    QAT included (elsewhere an ulp of difference upstream can flip an MXFP8 rounding).
+    `share_prompts`: run each distinct prompt once (k3/rl/shared_prompts.py), where one repeats."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     keep = batch.mask.nonzero()[:, 0]
     with batch_invariant_mode(batch_invariant):
-        logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, logits_to_keep=keep)[0]  # [P, V] fp32
+        logits = shared_prompt_logits(model, batch) if share_prompts else None
+        if logits is None:
+            logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, logits_to_keep=keep)[0]  # [P, V] fp32
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         chosen = logp.gather(1, batch.targets[keep][:, None])[:, 0]
     out = chosen.new_zeros(batch.targets.shape).index_copy(0, keep, chosen)
