@@ -45,13 +45,13 @@ def shared_prompt_logits(model, batch) -> torch.Tensor | None:
     if split is None:
         return None
     firsts, ends = split
-    ids = batch.input_ids[0]
+    ids = batch.input_ids[0].tolist()  # one read to the host, not one per trajectory
     starts = batch.cu_seqlens.tolist()[:-1]
     prompts: dict[tuple[int, ...], int] = {}
-    owner = [prompts.setdefault(tuple(ids[s:f].tolist()), len(prompts)) for s, f in zip(starts, firsts)]
+    owner = [prompts.setdefault(tuple(ids[s:f]), len(prompts)) for s, f in zip(starts, firsts)]
     if len(prompts) == len(owner):
         return None
-    device = ids.device
+    device = batch.input_ids.device
     dtype = model.lm_head.weight.dtype
     lengths = [len(p) for p in prompts]
     cu_prompts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
@@ -60,6 +60,6 @@ def shared_prompt_logits(model, batch) -> torch.Tensor | None:
     model(prompt_ids, cu_seqlens=cu_prompts, cache=cache,
           logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
     rows = cache.select(owner)  # copies per trajectory, still in the autograd graph of the prefill
-    cont = [ids[f:e] for f, e in zip(firsts, ends)]
-    cu_cont = torch.tensor([0, *torch.tensor([len(c) for c in cont]).cumsum(0).tolist()], device=device)
-    return model(torch.cat(cont)[None], cu_seqlens=cu_cont, cache=rows)[0]
+    cont = [t for f, e in zip(firsts, ends) for t in ids[f:e]]
+    cu_cont = torch.tensor([0, *torch.tensor([e - f for f, e in zip(firsts, ends)]).cumsum(0).tolist()], device=device)
+    return model(torch.tensor(cont, device=device)[None], cu_seqlens=cu_cont, cache=rows)[0]
