@@ -13,6 +13,8 @@ whose per-token arithmetic does not depend on them (k3/ops/batch_invariant.py).
 """
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from k3.model.cache import K3Cache
@@ -26,7 +28,7 @@ def prompt_split(batch) -> tuple[list[int], list[int]] | None:
     cu = batch.cu_seqlens.tolist()
     mask = batch.mask.tolist()
     firsts = []
-    for start, end in zip(cu, cu[1:]):
+    for start, end in pairwise(cu):
         seg = mask[start:end]
         if True not in seg:
             return None

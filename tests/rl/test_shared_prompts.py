@@ -25,7 +25,9 @@ def _groups(seed: int = 5):
     """Two groups of 3 samples (prompts of 70 and 9 tokens: past a KDA chunk and within one) and one
     lone trajectory, completions of 1-40 tokens, interleaved as a trainer's rows may be."""
     g = torch.Generator().manual_seed(seed)
-    rand = lambda n: torch.randint(3, 320, (n,), generator=g).tolist()  # noqa: E731
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, 320, (n,), generator=g).tolist()
+
     a, b = rand(70), rand(9)
     trajs = [_traj(a, rand(40)), _traj(b, rand(1)), _traj(a, rand(7)), _traj(rand(30), rand(12)),
              _traj(b, rand(23)), _traj(a, rand(16)), _traj(b, rand(5))]
