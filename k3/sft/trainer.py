@@ -187,7 +187,13 @@ class SFTTrainer(Trainer):
         if not held:
             return []
         asked = [(prompt_messages(c.messages), c.tools) for c in held]
-        _, outs = replies(self.model, self.chat, asked, self.s.max_reply_tokens)
+        # eval mode: a training-mode forward records router scores, which the next step's
+        # Quantile Balancing update would count (and a resumed run would not have seen)
+        self.model.eval()
+        try:
+            _, outs = replies(self.model, self.chat, asked, self.s.max_reply_tokens)
+        finally:
+            self.model.train()
         return [{"kind": "sample", "step": self.step, "prompt": m[-1].get("content") or "",
                  "text": "\n" + self.tokenizer.decode(o, skip_special_tokens=False)} for (m, _), o in zip(asked, outs)]
 
