@@ -207,7 +207,7 @@ def token_logprobs(model, batch: RLBatch, *, temperature: float = 1.0, with_entr
     `batch_invariant`: compute in k3.ops.batch_invariant's arithmetic (CPU), the same as a
     batch-invariant rollout engine: the recomputed log-probs then equal the rollout's bit for bit,
     QAT included (elsewhere an ulp of difference upstream can flip an MXFP8 rounding).
-    `share_prompts`: run each distinct prompt once (k3/rl/shared_prompts.py), where one repeats."""
+    `share_prompts`: prompt tokens several trajectories share run once (k3/rl/shared_prompts.py)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     keep = batch.mask.nonzero()[:, 0]

@@ -87,7 +87,7 @@ class RolloutSettings:
     balance: str = "quantile"
     qat: bool = False
     batch_invariant: bool = False  # rollout and trainer in k3.ops.batch_invariant's arithmetic (CPU)
-    share_prompts: bool = True  # the trainer runs each distinct prompt once (k3/rl/shared_prompts.py)
+    share_prompts: bool = True  # shared prompt tokens run once in the trainer (k3/rl/shared_prompts.py; not under compile)
     compile: bool = False
     eval_every: int = 10
     ckpt_every: int = 10
@@ -430,13 +430,14 @@ class RLTrainer(Trainer):
         for row, adv in self._rows(trained, advantages):
             batch = pack_trajectories(row, adv).to(device)
             batch.advantages = self.token_advantages(batch, row)
+            share = s.share_prompts and not s.compile  # compiled regions are traced for whole rows
             logp, entropy = token_logprobs(self.model, batch, temperature=s.temperature, with_entropy=True,
-                                           batch_invariant=s.batch_invariant, share_prompts=s.share_prompts)
+                                           batch_invariant=s.batch_invariant, share_prompts=share)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref = token_logprobs(self.ref_model, batch, temperature=s.temperature,
-                                         batch_invariant=s.batch_invariant, share_prompts=s.share_prompts)
+                                         batch_invariant=s.batch_invariant, share_prompts=share)
             loss, m = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.mask, self.objective,
                                   seq_ids=batch.seq_ids, ref_logprobs=ref, entropy=entropy, num_tokens=total)
             loss.backward()

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help=f"conversations per optimizer step, all ranks (default {d.batch_size})")
     p.add_argument("--seq-len", type=int, help=f"the longest conversation in tokens; longer is an error (default {d.seq_len})")
     add_optimizer_arguments(p, d)
+    p.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false", default=None,
+                   help="run every conversation whole instead of running the tokens before each one's first "
+                        "assistant target once per distinct prefix (same loss)")
     p.add_argument("--eval-every", type=int, help=f"steps between held-out evals (default {d.eval_every})")
     p.add_argument("--agent-episodes", type=int, help=f"held-out agent episodes scored at the end (default {d.agent_episodes})")
     p.add_argument("--max-reply-tokens", type=int, help=f"tokens per generated reply (default {d.max_reply_tokens})")

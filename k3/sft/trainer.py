@@ -18,9 +18,11 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
@@ -36,6 +38,7 @@ from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
 from k3.train.packing import IGNORE_INDEX, windows_for_step
 from k3.train.parallel import all_reduce_sum
+from k3.train.prefix_tree import tail_logits
 from k3.train.trainer import EVAL_ROW_TOKENS, Trainer, validate_common
 
 AGENT_FILE = "agent_eval.jsonl"
@@ -62,6 +65,7 @@ class SFTSettings:
     balance: str = "quantile"
     qat: bool = False
     compile: bool = False
+    share_prefixes: bool = True  # tokens before each conversation's first target run once per distinct prefix
     eval_every: int = 40
     agent_episodes: int = 64  # held-out episodes scored at the end (0: none)
     max_reply_tokens: int = 160
@@ -161,6 +165,24 @@ class SFTTrainer(Trainer):
     def global_tokens(self, local: int) -> int:
         """Conversations differ in length, so ranks count theirs and add them up."""
         return int(all_reduce_sum(torch.tensor(float(local), device=self.world.device), self.world))
+
+    def _loss_sum(self, batch) -> torch.Tensor:
+        """Summed NLL of the assistant targets. With `share_prefixes` (not under --compile, whose
+        regions are traced for whole rows), the tokens before each conversation's first target,
+        the system messages most conversations repeat, run once per distinct prefix
+        (k3/train/prefix_tree.py): the same loss and gradient."""
+        if self.s.share_prefixes and not self.s.compile:
+            labels = batch.labels[0]
+            bounds = list(pairwise(batch.cu_seqlens.tolist()))
+            targeted = (labels != IGNORE_INDEX).tolist()
+            firsts = [next((p for p in range(a, b) if targeted[p]), None) for a, b in bounds]
+            if None not in firsts:
+                with self._autocast():
+                    logits = tail_logits(self.model, batch.input_ids, batch.cu_seqlens, firsts)
+                if logits is not None:
+                    tails = torch.cat([labels[f:b] for f, (_, b) in zip(firsts, bounds)])
+                    return F.cross_entropy(logits.float(), tails, ignore_index=IGNORE_INDEX, reduction="sum")
+        return super()._loss_sum(batch)
 
     # ------------------------------------------------------------------ eval and samples
     @torch.no_grad()

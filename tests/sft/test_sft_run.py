@@ -128,3 +128,26 @@ def test_sft_loss_is_on_assistant_tokens_only(pretrained, tmp_path):
         assert torch.equal(batch.labels[0] != IGNORE_INDEX, torch.from_numpy(ex.mask[1:]))
     finally:
         trainer.close()
+
+
+def test_shared_prefixes_give_the_whole_rows_loss_and_gradient(pretrained, tmp_path):
+    """The default set's conversations repeat their system messages: `share_prefixes` runs them once
+    per distinct prefix (k3/train/prefix_tree.py) for the same summed loss and gradient."""
+    trainer = SFTTrainer(sft_settings(pretrained, tmp_path / "p", steps=1), progress=False, log=quiet)
+    try:
+        batch = pack_examples(trainer.train_examples[:6])
+        results = []
+        for share in (False, True):
+            trainer.s = dataclasses.replace(trainer.s, share_prefixes=share)
+            trainer.model.zero_grad(set_to_none=True)
+            loss = trainer._loss_sum(batch)
+            loss.backward()
+            results.append((float(loss.detach()), {n: p.grad.clone() for n, p in trainer.model.named_parameters()
+                                          if p.grad is not None}))
+        (whole, g_whole), (shared, g_shared) = results
+        assert abs(shared - whole) <= 1e-5 * abs(whole)
+        assert g_whole.keys() == g_shared.keys()
+        for name, g in g_whole.items():
+            assert (g_shared[name] - g).norm() <= 1e-4 * g.norm().clamp_min(1e-12), name
+    finally:
+        trainer.close()
