@@ -52,9 +52,9 @@ class SFTSettings:
     val_data: str | None = None  # held-out JSONL; None: the default set's held-out split, or val_fraction of `data`
     val_fraction: float = 0.05
     out: str | None = None  # run folder; None: runs/sft-<init>-<timestamp>
-    train_size: int = 320  # conversations drawn from the default set (train split): one epoch by default
+    train_size: int = 800  # conversations drawn from the default set (train split): one epoch by default
     val_size: int = 64  # held-out conversations of the default set (loss and agent episodes)
-    steps: int = 40  # with k3 train's default run, the two fit in 15 minutes on 2 CPU cores
+    steps: int = 100  # with k3 train's default run, the two take ~11 of the 15 minutes on 2 CPU cores
     batch_size: int = 8  # conversations per optimizer step, over all ranks and micro-batches
     seq_len: int = 1024  # the longest conversation, in tokens; a longer one is an error naming its line
     grad_accum: int = 1
@@ -66,7 +66,7 @@ class SFTSettings:
     qat: bool = False
     compile: bool = False
     share_prefixes: bool = True  # tokens before each conversation's first target run once per distinct prefix
-    eval_every: int = 40
+    eval_every: int = 50
     agent_episodes: int = 64  # held-out episodes scored at the end (0: none)
     max_reply_tokens: int = 160
     ckpt_every: int = 20
