@@ -24,14 +24,14 @@ from k3.model.cache import K3Cache, KDAState, MLAState
 @dataclass
 class _Node:
     span: list[int]  # the tokens this node adds to its parent's prefix
-    parent: int  # index of the parent node in the level above (-1: the root)
+    parent: int = -1  # its parent's row in the level above (set when the levels run; -1: the root)
     children: list[_Node] = field(default_factory=list)
     leaves: list[int] = field(default_factory=list)  # segments whose prefix ends here
 
 
 def _tree(prefixes: list[list[int]]) -> _Node:
     """The radix tree of the prefixes (the root's span may be empty; every other span is not)."""
-    def build(members: list[int], depth: int, parent: int) -> _Node:
+    def build(members: list[int], depth: int) -> _Node:
         end = min(len(prefixes[m]) for m in members)
         first = prefixes[members[0]]
         for m in members[1:]:  # the longest run all members share from `depth`
@@ -40,17 +40,21 @@ def _tree(prefixes: list[list[int]]) -> _Node:
             while k < end and p[k] == first[k]:
                 k += 1
             end = k
-        node = _Node(first[depth:end], parent)
+        node = _Node(first[depth:end])
         groups: dict[int, list[int]] = {}
         for m in members:
             if len(prefixes[m]) == end:
                 node.leaves.append(m)
             else:
                 groups.setdefault(prefixes[m][end], []).append(m)
-        node.children = [build(g, end, -1) for g in groups.values()]
+        node.children = [build(g, end) for g in groups.values()]
         return node
 
-    return build(list(range(len(prefixes))), 0, -1)
+    return build(list(range(len(prefixes))), 0)
+
+
+def _cu(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
 
 
 def _span_tokens(node: _Node) -> int:
@@ -79,9 +83,9 @@ def tail_logits(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, share_
     another (the caller then runs the whole packed forward)."""
     ids = input_ids[0].tolist()  # one read to the host
     bounds = list(pairwise(cu_seqlens.tolist()))
-    prefixes = [ids[start:share] for (start, _), share in zip(bounds, share_ends, strict=True)]
-    if any(not start <= share < end for (start, end), share in zip(bounds, share_ends)):
+    if len(share_ends) != len(bounds) or any(not a <= e < b for (a, b), e in zip(bounds, share_ends)):
         raise ValueError("each share end must lie inside its segment, before its last position")
+    prefixes = [ids[start:share] for (start, _), share in zip(bounds, share_ends)]
     root = _tree(prefixes)
     if _span_tokens(root) == sum(map(len, prefixes)):
         return None  # no token is shared
@@ -101,9 +105,8 @@ def tail_logits(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, share_
         if any(spans):
             if not all(spans):
                 raise AssertionError("only the root may have an empty span")
-            cu = torch.tensor([0, *torch.tensor([len(s) for s in spans]).cumsum(0).tolist()], device=device)
-            model(torch.tensor([t for s in spans for t in s], device=device)[None], cu_seqlens=cu, cache=cache,
-                  logits_to_keep=empty)
+            model(torch.tensor([t for s in spans for t in s], device=device)[None],
+                  cu_seqlens=_cu([len(s) for s in spans], device), cache=cache, logits_to_keep=empty)
         levels.append(cache)
         nxt = []
         for row, node in enumerate(level):
@@ -121,9 +124,8 @@ def tail_logits(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, share_
     order = [seg for group in per_level for seg, _ in group]
     cache = _cat_caches([levels[lvl].select([row for _, row in group]) for lvl, group in enumerate(per_level) if group])
     tails = [ids[share_ends[s]:bounds[s][1]] for s in order]
-    cu = torch.tensor([0, *torch.tensor([len(t) for t in tails]).cumsum(0).tolist()], device=device)
-    logits = model(torch.tensor([t for tail in tails for t in tail], device=device)[None], cu_seqlens=cu,
-                   cache=cache)[0]
+    logits = model(torch.tensor([t for tail in tails for t in tail], device=device)[None],
+                   cu_seqlens=_cu([len(t) for t in tails], device), cache=cache)[0]
     if order == sorted(order):
         return logits
     # back to packed order
