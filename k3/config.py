@@ -436,8 +436,8 @@ def _preset_k3_1b() -> K3Config:
 def _preset_k3_slice() -> K3Config:
     """K3's widths on one GPU (the GPU benchmarks' shape): every per-layer shape of the official
     config (hidden 7168, 96 KDA and MLA heads, q/kv LoRA, latent MoE 3584 -> 3072, SiTU, 2 shared
-    experts, dense layer 0) with 4 layers (3 KDA, then the final MLA, one AttnRes block of 2 and
-    one of 2), 16 routed experts, top-8, and a 32K vocabulary. Per token, a KDA, MLA or dense layer
+    experts, dense layer 0) with 4 layers (3 KDA, then the final MLA, in two AttnRes blocks of
+    2), 16 routed experts, top-8, and a 32K vocabulary. Per token, a KDA, MLA or dense layer
     costs what K3's does; a MoE layer half (8 routed experts of K3's 16)."""
     return K3Config(num_hidden_layers=4, attn_res_block_size=2, num_experts=16, num_experts_per_token=8,
                     vocab_size=32768, bos_token_id=0, eos_token_id=1, pad_token_id=2)
