@@ -9,27 +9,22 @@ once per distinct span of the prefix tree; the completions continue from the cac
 """
 from __future__ import annotations
 
-from itertools import pairwise
-
 import torch
 
-from k3.train.prefix_tree import tail_logits
+from k3.train.prefix_tree import first_targets, tail_logits
 
 
 def prompt_split(batch) -> list[int] | None:
     """Per trajectory of an `RLBatch` (k3.rl.objective), its first target position (whose input is
     the prompt's last token), in the packed row. None when sharing does not apply: a segment whose
     targets are not one run through its end, or a prompt of one token (nothing to share)."""
+    firsts = first_targets(batch.mask, batch.cu_seqlens)
+    if firsts is None:
+        return None
     mask = batch.mask.tolist()
-    firsts = []
-    for start, end in pairwise(batch.cu_seqlens.tolist()):
-        seg = mask[start:end]
-        if True not in seg:
+    for start, first, end in zip(batch.cu_seqlens.tolist(), firsts, batch.cu_seqlens.tolist()[1:]):
+        if first == start or not all(mask[first:end]):
             return None
-        first = start + seg.index(True)
-        if first == start or not all(seg[first - start:]):
-            return None
-        firsts.append(first)
     return firsts
 
 

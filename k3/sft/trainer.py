@@ -18,7 +18,6 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
 from k3.train.packing import IGNORE_INDEX, windows_for_step
 from k3.train.parallel import all_reduce_sum
-from k3.train.prefix_tree import tail_logits
+from k3.train.prefix_tree import first_targets, tail_logits
 from k3.train.trainer import EVAL_ROW_TOKENS, Trainer, validate_common
 
 AGENT_FILE = "agent_eval.jsonl"
@@ -173,14 +172,13 @@ class SFTTrainer(Trainer):
         (k3/train/prefix_tree.py): the same loss and gradient."""
         if self.s.share_prefixes and not self.s.compile:
             labels = batch.labels[0]
-            bounds = list(pairwise(batch.cu_seqlens.tolist()))
-            targeted = (labels != IGNORE_INDEX).tolist()
-            firsts = [next((p for p in range(a, b) if targeted[p]), None) for a, b in bounds]
-            if None not in firsts:
+            firsts = first_targets(labels != IGNORE_INDEX, batch.cu_seqlens)
+            if firsts is not None:
                 with self._autocast():
                     logits = tail_logits(self.model, batch.input_ids, batch.cu_seqlens, firsts)
                 if logits is not None:
-                    tails = torch.cat([labels[f:b] for f, (_, b) in zip(firsts, bounds)])
+                    ends = batch.cu_seqlens.tolist()[1:]
+                    tails = torch.cat([labels[f:e] for f, e in zip(firsts, ends)])
                     return F.cross_entropy(logits.float(), tails, ignore_index=IGNORE_INDEX, reduction="sum")
         return super()._loss_sum(batch)
 

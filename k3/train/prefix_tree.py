@@ -76,6 +76,19 @@ def _cat_caches(caches: list[K3Cache]) -> K3Cache:
     return K3Cache(layers, torch.cat([c.lengths for c in caches]))
 
 
+def first_targets(targeted: torch.Tensor, cu_seqlens: torch.Tensor) -> list[int] | None:
+    """Each segment's first position whose output carries a loss (`targeted` [T] bool): the share
+    ends a packed row's callers pass to `tail_logits`. None when a segment has none."""
+    flags = targeted.tolist()
+    firsts = []
+    for start, end in pairwise(cu_seqlens.tolist()):
+        first = next((p for p in range(start, end) if flags[p]), None)
+        if first is None:
+            return None
+        firsts.append(first)
+    return firsts
+
+
 def tail_logits(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, share_ends: list[int]) -> torch.Tensor | None:
     """Logits [sum of tails, V] of every position from each segment's `share_ends[n]` (a position in
     the packed row, inside segment n) through its end, in packed order, with the tokens before
