@@ -163,8 +163,8 @@ class DistillTrainer(RLTrainer):
             if not mine:
                 continue
             sub = pack_trajectories([row[n] for n in mine], [0.0] * len(mine)).to(batch.old_logprobs.device)
-            lp = token_logprobs(teacher.model, sub, temperature=self.s.temperature, batch_invariant=self.s.batch_invariant,
-                                share_prompts=self.s.share_prompts and not self.s.compile)
+            lp = token_logprobs(teacher.model, sub, temperature=self.s.temperature,
+                                batch_invariant=self.s.batch_invariant, share_prompts=self.share_prompts)
             sub_starts = sub.cu_seqlens.tolist()
             for k, n in enumerate(mine):
                 teacher_lp[starts[n]:starts[n + 1]] = lp[sub_starts[k]:sub_starts[k + 1]]

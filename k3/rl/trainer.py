@@ -416,6 +416,12 @@ class RLTrainer(Trainer):
         return trained, advantages, {"reward": sum(rewards) / n, "accuracy": sum(correct) / n,
                                      "mean_length": sum(lengths) / n, "within_budget": sum(within) / n}
 
+    @property
+    def share_prompts(self) -> bool:
+        """Shared prompt tokens run once in the trainer's forwards; not under --compile, whose
+        regions are traced for whole rows."""
+        return self.s.share_prompts and not self.s.compile
+
     def token_advantages(self, batch, row: list[Trajectory]) -> torch.Tensor:
         """Each position's advantage (RL: its trajectory's, as packed)."""
         return batch.advantages
@@ -430,14 +436,13 @@ class RLTrainer(Trainer):
         for row, adv in self._rows(trained, advantages):
             batch = pack_trajectories(row, adv).to(device)
             batch.advantages = self.token_advantages(batch, row)
-            share = s.share_prompts and not s.compile  # compiled regions are traced for whole rows
             logp, entropy = token_logprobs(self.model, batch, temperature=s.temperature, with_entropy=True,
-                                           batch_invariant=s.batch_invariant, share_prompts=share)
+                                           batch_invariant=s.batch_invariant, share_prompts=self.share_prompts)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref = token_logprobs(self.ref_model, batch, temperature=s.temperature,
-                                         batch_invariant=s.batch_invariant, share_prompts=share)
+                                         batch_invariant=s.batch_invariant, share_prompts=self.share_prompts)
             loss, m = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.mask, self.objective,
                                   seq_ids=batch.seq_ids, ref_logprobs=ref, entropy=entropy, num_tokens=total)
             loss.backward()
