@@ -257,11 +257,16 @@ class VLTrainer(Trainer):
         return docs
 
     def _loss_sums(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed NLL over the text targets and over the VL targets of one packed row."""
+        """Summed NLL over the text targets and over the VL targets of one packed row. Logits only
+        at the targets: most of a VL document (image, question, prompt markers) is context, and the
+        LM head over every position was a tenth of a step."""
+        labels = batch.labels[0]
+        keep = (labels != IGNORE_INDEX).nonzero().squeeze(1)
         with self._autocast():
-            logits = self.model(batch.input_ids, batch.pixel_values, batch.grid_thws, cu_seqlens=batch.cu_seqlens)
-        nll = F.cross_entropy(logits[0].float(), batch.labels[0], ignore_index=IGNORE_INDEX, reduction="none")
-        is_vl = batch.is_vl[0]
+            logits = self.model(batch.input_ids, batch.pixel_values, batch.grid_thws, cu_seqlens=batch.cu_seqlens,
+                                logits_to_keep=keep)
+        nll = F.cross_entropy(logits[0].float(), labels[keep], reduction="none")
+        is_vl = batch.is_vl[0][keep]
         return nll[~is_vl].sum(), nll[is_vl].sum()
 
     def train_step(self) -> dict:
