@@ -82,6 +82,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert placement per micro-batch: balanced (MoonEP's online plan: equal tokens per rank, "
                         "copies of hot experts) or home (plain EP) (default balanced)")
     p.add_argument("--cache-dir", help="tokenizer/token cache (default $K3_CACHE_DIR or ~/.cache/k3)")
+    vl = p.add_argument_group("vision-language configs (--config k3-tiny-vl, or a config.json with a vision_config)")
+    vl.add_argument("--vl-scenes", type=int, help="generated scenes per step, all ranks together (default 11)")
+    vl.add_argument("--vl-questions", type=int, help="questions per scene, each a chat turn (default 4)")
+    vl.add_argument("--image-size", type=int, help="scene canvas in pixels (default 84: one merged token per grid cell)")
+    vl.add_argument("--vl-thinking", action="store_true", default=None,
+                    help="train the conversations with the think channel on (default off)")
+
+
+VL_FLAGS = ("vl_scenes", "vl_questions", "image_size", "vl_thinking")
 
 
 def _settings(args, defaults: TrainSettings = _DEFAULTS) -> TrainSettings:
@@ -156,6 +165,12 @@ def run(args) -> int:
         from k3.train.vl_trainer import VLSettings, VLTrainer
 
         trainer_class, settings = VLTrainer, lambda a: _settings(a, VLSettings())
+    else:
+        given = [f"--{f.replace('_', '-')}" for f in VL_FLAGS if getattr(args, f, None) is not None]
+        if given:
+            print(f"k3 train: error: {' '.join(given)} applies to vision-language configs "
+                  f"(--config k3-tiny-vl), not {args.config or _DEFAULTS.config}", file=sys.stderr)
+            return 2
     done = train_verb("train", args, trainer_class, settings, (TrainError, DataError, ConfigError, ResumeStateError))
     if isinstance(done, int):
         return done

@@ -104,6 +104,22 @@ def shard_model(model: torch.nn.Module, world: World, *, ep: int = 1, dp: int | 
     return model
 
 
+def shard_multimodal(model: torch.nn.Module, world: World) -> torch.nn.Module:
+    """FSDP2 for K3ForConditionalGeneration: the text model as `shard_model` shards it, with its
+    token embedding a unit of its own (the image rows are written over the embeddings before the
+    text model's forward, outside its root unit), one unit per tower block, the tower's root (patch
+    embedding, position table, final norm), the projector, then the wrapper."""
+    everyone = init_device_mesh(world.device.type, (world.size,))
+    fully_shard(model.language_model.model.embed_tokens, mesh=everyone)
+    shard_model(model.language_model, world)
+    for block in model.vision_tower.encoder.blocks:
+        fully_shard(block, mesh=everyone)
+    fully_shard(model.vision_tower, mesh=everyone)
+    fully_shard(model.mm_projector, mesh=everyone)
+    fully_shard(model, mesh=everyone)
+    return model
+
+
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_, also when gradients live on different device meshes (routed experts
     on the (dp, ep) mesh, the rest on all ranks), whose norms torch cannot stack: each mesh's norm
@@ -131,6 +147,15 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
+
+
+def broadcast_object(obj, world: World):
+    """Rank 0's `obj` (picklable, built by our own code) on every rank."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:

@@ -49,7 +49,8 @@ from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
 from k3.train.muon import OPTIMIZERS, PerHeadMuon, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, pack, window, windows_for_step
-from k3.train.parallel import World, all_reduce_sum, barrier, clip_grad_norm_, init_world, shard_model, shutdown
+from k3.train.parallel import (World, all_reduce_sum, barrier, broadcast_object, clip_grad_norm_, init_world,
+                               shard_model, shutdown)
 from k3.train.progress import Progress
 from k3.train.schedule import warmup_cosine
 
@@ -184,8 +185,9 @@ class Trainer:
         return model_config(settings.config, settings.overrides)
 
     def _prepare_run_dir(self, settings, resume: bool) -> None:
-        self.run_dir = Path(settings.out) if settings.out else Path("runs") / (
-            f"{self.default_run_name(settings)}-{datetime.now():%Y%m%d-%H%M%S}")
+        # rank 0's clock names a default folder: ranks started across a second boundary agree
+        self.run_dir = Path(settings.out) if settings.out else Path("runs") / broadcast_object(
+            f"{self.default_run_name(settings)}-{datetime.now():%Y%m%d-%H%M%S}", self.world)
         if resume:
             if not (self.run_dir / RUN_FILE).is_file():
                 raise TrainError(f"cannot resume: {self.run_dir} has no {RUN_FILE}")

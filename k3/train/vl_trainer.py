@@ -12,7 +12,8 @@ do not dilute the answers; both are recorded (`text_loss`, `image_loss`, nats pe
 plotted apart.
 Everything else is `k3 train`'s: Per-Head Muon + AdamW over every parameter, tower and projector
 included (`vl_param_groups`), warmup-cosine, the expert-balance rule, atomic checkpoints with exact
-resume (the data of a step is a pure function of (seed, step)), metrics.jsonl, loss.png, report.md.
+resume (the data of a step is a pure function of (seed, step)), metrics.jsonl, loss.png, report.md,
+and FSDP2 under torchrun (`shard_multimodal`; each rank its share of the step's windows and scenes).
 The checkpoint folder is the published multimodal layout (`language_model.*`, `vision_tower.*`,
 `mm_projector.*`), which `k3.checkpoint.multimodal.load_pretrained_multimodal` reads.
 
@@ -49,6 +50,7 @@ from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
 from k3.train.muon import OPTIMIZERS, Blocks, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, window, windows_for_step
+from k3.train.parallel import all_reduce_sum, barrier, shard_multimodal
 from k3.train.trainer import Trainer, TrainSettings, validate_common
 from k3.train.vl_config import VLCheckpointConfig, load_vl_config
 from k3.train.vl_data import VLEncoder, corpus_texts, describe, pack_vl, scene_questions, scenes_for_step
@@ -84,16 +86,18 @@ class VLSettings(TrainSettings):
     baseline_examples: int = 2000  # training examples the majority baseline counts
 
 
-def _validate_vl(s: VLSettings, config: K3MultimodalConfig) -> None:
+def _validate_vl(s: VLSettings, config: K3MultimodalConfig, world_size: int = 1) -> None:
     def need(ok: bool, msg: str):
         if not ok:
             raise TrainError(msg)
 
-    validate_common(s, 1, config.text_config.max_position_embeddings)
+    validate_common(s, world_size, config.text_config.max_position_embeddings)
     need(s.eval_windows is None or s.eval_windows >= 1, f"eval windows must be >= 1, got {s.eval_windows}")
     need(s.copy_share == 0, "--copy-share applies to text runs, not VL runs")
-    need(s.vl_scenes >= 0 and s.vl_scenes % s.grad_accum == 0,
-         f"VL scenes per step must be >= 0 and divisible by grad accumulation {s.grad_accum}, got {s.vl_scenes}")
+    need(s.ep == 1, "--ep applies to text runs: VL runs shard with FSDP only (every rank holds all experts)")
+    need(s.vl_scenes >= 0 and s.vl_scenes % (world_size * s.grad_accum) == 0,
+         f"VL scenes per step (--vl-scenes) must be >= 0 and divisible by world size {world_size} x grad accumulation "
+         f"{s.grad_accum}, got {s.vl_scenes}")
     need(s.vl_questions >= 1, f"questions per scene must be >= 1, got {s.vl_questions}")
     need(s.image_size >= 42, f"image size must be >= 42 px (the corpus's 3 x 3 grid), got {s.image_size}")
     need(s.vl_loss_weight >= 0, f"VL loss weight must be >= 0, got {s.vl_loss_weight}")
@@ -160,12 +164,10 @@ class VLTrainer(Trainer):
     SETTINGS = VLSettings
 
     def _setup(self, settings: VLSettings, resume: bool) -> None:
-        if self.world.distributed:
-            raise TrainError("VL training runs in one process (the vision tower has no FSDP wrapping yet): "
-                             "run it without torchrun")
         config = self._read_config(settings)
-        _validate_vl(settings, config)
+        _validate_vl(settings, config, self.world.size)
         self._prepare_run_dir(settings, resume)
+        barrier(self.world)  # every rank has checked the run folder before rank 0 writes into it
         self._setup_data(settings, config, resume)
         self._write_run_files(settings, resume)
         torch.manual_seed(settings.seed)
@@ -224,14 +226,18 @@ class VLTrainer(Trainer):
         self._last_answers: list[str] = []
 
     def _setup_model(self, model: K3ForConditionalGeneration, resume: bool) -> None:
-        """As Trainer's, for one process: the wrapper's groups, and the checkpoint of the run on resume."""
+        """As Trainer's: placed, quantized, sharded under torchrun (FSDP2 over the tower's blocks
+        and the text model's layers, k3/train/parallel.py), compiled; the wrapper's groups, and the
+        checkpoint of the run on resume."""
         s = self.s
         model = model.to(self.world.device)
         if s.qat:
             from k3.quant.qat import apply_qat
 
             apply_qat(model.language_model)
-        if s.compile:
+        if self.world.distributed:
+            model = shard_multimodal(model, self.world)
+        if s.compile:  # after sharding, as Trainer orders it
             from k3.regional_compile import compile_regions
 
             compile_regions(model.language_model)
@@ -244,9 +250,16 @@ class VLTrainer(Trainer):
 
     # ------------------------------------------------------------------ one step
     def step_items(self) -> tuple[list[int], list[int]]:
-        """The step's text windows and scene indices (pure functions of (seed, step))."""
+        """The step's text windows and scene indices (pure functions of (seed, step)), all ranks'."""
         s = self.s
         return windows_for_step(self.num_windows, s.seed, self.step, s.batch_size), list(scenes_for_step(self.step, s.vl_scenes))
+
+    def rank_items(self) -> tuple[list[int], list[int]]:
+        """This rank's contiguous share of the step's windows and scenes: the ranks together see the
+        one-process step, so the global batch does not depend on the world size."""
+        (windows, scenes), world = self.step_items(), self.world
+        w, d = len(windows) // world.size, len(scenes) // world.size
+        return windows[world.rank * w:(world.rank + 1) * w], scenes[world.rank * d:(world.rank + 1) * d]
 
     def documents(self, scenes: list[int]) -> list:
         s = self.s
@@ -270,27 +283,30 @@ class VLTrainer(Trainer):
         return nll[~is_vl].sum(), nll[is_vl].sum()
 
     def train_step(self) -> dict:
-        s, device = self.s, self.world.device
-        windows, scenes = self.step_items()
+        s, world, device = self.s, self.world, self.world.device
+        windows, scenes = self.rank_items()
         docs = self.documents(scenes)
-        text_targets = sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows)
-        vl_answers = sum(d.answers for d in docs)
+        # the step's normalizers over all ranks (each rank renders its own documents only)
+        counts = torch.tensor([sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows),
+                               sum(d.answers for d in docs)], dtype=torch.float64, device=device)
+        text_targets, vl_answers = (max(int(c), 1) for c in all_reduce_sum(counts, world).tolist())
         self.model.train()
-        text_nll, vl_nll = torch.zeros((), device=device), torch.zeros((), device=device)
-        tokens = 0
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # text NLL, VL NLL, tokens
         wm, dm = len(windows) // s.grad_accum, len(docs) // s.grad_accum
         for j in range(s.grad_accum):
             batch = pack_vl(self.train_data, windows[j * wm:(j + 1) * wm], s.seq_len, docs[j * dm:(j + 1) * dm]).to(device)
-            tokens += batch.input_ids.shape[1]
             text_sum, vl_sum = self._loss_sums(batch)
-            loss = text_sum / max(text_targets, 1) + s.vl_loss_weight * vl_sum / max(vl_answers, 1)
-            loss.backward()
-            text_nll += text_sum.detach()
-            vl_nll += vl_sum.detach()
+            loss = text_sum / text_targets + s.vl_loss_weight * vl_sum / vl_answers
+            (loss * world.size).backward()  # FSDP averages gradients over ranks
+            sums += torch.stack([text_sum.detach().double(), vl_sum.detach().double(),
+                                 torch.tensor(batch.input_ids.shape[1], dtype=torch.float64, device=device)])
         grad_norm, lr, loads = self.optimizer_step()
+        text_nll, vl_nll, tokens = all_reduce_sum(sums, world).tolist()
+        tokens = int(tokens)
         self.tokens_seen += tokens
-        text_loss = float(text_nll) / max(text_targets, 1)
-        image_loss = float(vl_nll) / max(vl_answers, 1)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        text_loss = text_nll / text_targets
+        image_loss = vl_nll / vl_answers
         max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
         return {"kind": "train", "step": self.step, "loss": text_loss + s.vl_loss_weight * image_loss,
                 "text_loss": text_loss, "image_loss": image_loss, "lr": lr, "grad_norm": float(grad_norm),
@@ -325,18 +341,23 @@ class VLTrainer(Trainer):
                 logits = self.model(ids, torch.cat(pixels).to(device), torch.tensor(grids, device=device),
                                     cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:] - 1)[0]
             outputs: list[list[int]] = [[] for _ in range(n)]
-            active = list(range(n))
+            active, finished = list(range(n)), set()
             for _ in range(budget):
                 tokens = logits.argmax(-1)
                 still = []
                 for row, seq in enumerate(active):
+                    if seq in finished:
+                        continue
                     token = int(tokens[row])
                     outputs[seq].append(token)
                     if token not in stops and len(outputs[seq]) < budget:
                         still.append(row)
-                if not still:
+                    else:
+                        finished.add(seq)
+                if not self._any_rank(bool(still)):
                     break
-                if len(still) < len(active):
+                # a rank done before the others decodes its last rows on (unread): FSDP's forward is a collective
+                if still and len(still) < len(active):
                     cache, tokens, active = cache.select(still), tokens[still], [active[r] for r in still]
                 with self._autocast():  # the language model itself: a generated placeholder id is just a token
                     logits = self.model.language_model(tokens[None], cu_seqlens=torch.arange(len(active) + 1, device=device),
@@ -345,6 +366,12 @@ class VLTrainer(Trainer):
                 answers.append(self.encoder.chat.parse_reply(r, out).content.strip())
         self.model.train(was_training)
         return answers
+
+    def _any_rank(self, flag: bool) -> bool:
+        """`flag` on any rank (every rank evaluates the same prompts; one may finish first)."""
+        if not self.world.distributed:
+            return flag
+        return bool(all_reduce_sum(torch.tensor([float(flag)], device=self.world.device), self.world).item())
 
     @torch.no_grad()
     def heldout_loss(self) -> tuple[float, int]:
@@ -421,8 +448,9 @@ class VLTrainer(Trainer):
         record = {"kind": "vqa", "step": self.step, "questions": len(self.heldout),
                   "accuracy": result["vqa_accuracy"], "by_type": result["vqa_by_type"], **base,
                   "elapsed": round(self.elapsed, 2)}
-        self.metrics.write(record)
-        self.write_outputs(self.metrics.read(), Path(result["checkpoint"]))
+        if self.world.is_main:
+            self.metrics.write(record)
+            self.write_outputs(self.metrics.read(), Path(result["checkpoint"]))
         result.update(vqa=record, elapsed=self.elapsed)
         return result
 

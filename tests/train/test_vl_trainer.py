@@ -198,6 +198,15 @@ def test_cli_routes_vl_configs_and_rejects_unknown_vision_fields(reference_run, 
     assert err.startswith("k3 train: error:") and "vision_config.nope" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
     assert not train_cli._is_vl_run(parser.parse_args([]))
+    # VL flags name the settings VLSettings has, and a text run refuses them in one line
+    vl = parser.parse_args(["--config", "k3-tiny-vl", "--vl-scenes", "6", "--vl-questions", "3", "--image-size", "56",
+                            "--vl-thinking"])
+    s = train_cli._settings(vl, VLSettings())
+    assert (s.vl_scenes, s.vl_questions, s.image_size, s.vl_thinking) == (6, 3, 56, True)
+    assert train_cli.run(parser.parse_args(["--vl-scenes", "4", "--out", str(tmp_path / "t")])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3 train: error: --vl-scenes applies to vision-language configs") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "t").exists()
     assert train_cli._is_vl_run(parser.parse_args(["--resume", reference_run[1].out]))  # a VL run resumes as one
 
 
