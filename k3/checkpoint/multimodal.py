@@ -11,12 +11,15 @@ The text loader, `load_pretrained`, reads the same folder as a K3ForCausalLM (it
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from k3.checkpoint.official import (
     DEFAULT_SHARD_BYTES,
+    INDEX_NAME,
     CheckpointMismatchError,
     assign_checkpoint,
     official_to_state_dict,
@@ -46,6 +49,42 @@ def save_pretrained_multimodal(model: K3ForConditionalGeneration, directory: str
     config_dict["architectures"] = [ARCHITECTURE]  # the class that reads all three prefixes
     return save_pretrained(model.language_model, directory, max_shard_bytes=max_shard_bytes,
                            tensors=multimodal_to_official(model), config_dict=config_dict)
+
+
+def save_packed_multimodal(model: K3ForConditionalGeneration, directory: str | Path, *,
+                           dtype: torch.dtype | None = torch.bfloat16,
+                           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """The published form of a multimodal checkpoint: the text model's routed experts MXFP4-packed
+    and everything else, the vision tower and projector included, in `dtype` (bf16 as published;
+    the published quantization_config ignores `vision_tower` and `mm_projector`). The readers
+    dequantize the experts at load (k3/checkpoint/packed.py)."""
+    from k3.checkpoint.packed import pack_tensors, with_quantization_config
+    from k3.model.precision import fp32_tensor_names
+
+    text = model.language_model
+    keep_fp32 = {text.config.checkpoint_prefix + name for name in fp32_tensor_names(text)}
+    config_dict = with_quantization_config(model.config)
+    config_dict["architectures"] = [ARCHITECTURE]
+    return save_pretrained(text, directory, max_shard_bytes=max_shard_bytes, config_dict=config_dict,
+                           tensors=pack_tensors(multimodal_to_official(model), dtype=dtype, keep_fp32=keep_fp32))
+
+
+def is_multimodal_checkpoint(directory: str | Path) -> bool:
+    """A multimodal checkpoint: `vision_tower.*` tensors beside a `vision_config`. The published
+    config has a `vision_config` for text-only exports too, so the config alone does not say."""
+    folder = Path(directory)
+    try:
+        if "vision_config" not in json.loads((folder / "config.json").read_text()):
+            return False
+        index = folder / INDEX_NAME
+        if index.is_file():
+            names = json.loads(index.read_text())["weight_map"]
+        else:
+            with safe_open(folder / "model.safetensors", "pt") as f:
+                names = list(f.keys())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # the loader reports the missing or broken file
+    return any(name.startswith("vision_tower.") for name in names)
 
 
 def load_pretrained_multimodal(directory: str | Path, *, device=None, dtype: torch.dtype | None = None,

@@ -1,6 +1,7 @@
 """`k3 quantize --model DIR --out DIR`: a dense checkpoint -> the official MXFP4 packed layout.
 
-DIR is a checkpoint folder or a `k3 train` run folder (its latest checkpoint).
+DIR is a checkpoint folder or a `k3 train` run folder (its latest checkpoint). A multimodal one
+(config.json with a vision_config) keeps its vision tower and projector, in bf16 as published.
 
 Routed experts become MXFP4 (K3 ceil rule), everything else bf16 (k3/checkpoint/packed.py);
 tokenizer files are copied along so the output serves on its own. Prints the per-layer relative
@@ -14,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from k3.checkpoint.multimodal import is_multimodal_checkpoint, load_pretrained_multimodal, save_packed_multimodal
 from k3.checkpoint.official import DEFAULT_SHARD_BYTES, load_pretrained, state_dict_to_official
 from k3.checkpoint.packed import check_packable, is_packed_checkpoint, save_packed
 from k3.checkpoint.quantize_report import KINDS, quantization_report
@@ -55,16 +57,19 @@ def run(args: argparse.Namespace) -> int:
             return _error(f"{src} is already quantized (its config.json has a quantization_config)")
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             return _error(f"output {out} exists and is not an empty folder")
-        model = load_pretrained(src)
-        check_packable(state_dict_to_official(model))
-        rows = quantization_report(model)
+        multimodal = is_multimodal_checkpoint(src)
+        model = load_pretrained_multimodal(src) if multimodal else load_pretrained(src)
+        text = model.language_model if multimodal else model
+        check_packable(state_dict_to_official(text))
+        rows = quantization_report(text)
     except (FileNotFoundError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one
         return _error(str(e))
-    save_packed(model, out, max_shard_bytes=args.max_shard_bytes)
+    (save_packed_multimodal if multimodal else save_packed)(model, out, max_shard_bytes=args.max_shard_bytes)
     for f in sorted(src.glob("tokenizer*")):
         if f.is_file():
             shutil.copy2(f, out / f.name)
     (out / REPORT_FILE).write_text(json.dumps(rows, indent=2) + "\n")
     _print_report(rows)
-    print(f"wrote {out} (MXFP4 routed experts, bf16 elsewhere); report in {out / REPORT_FILE}")
+    vision = ", vision tower and projector bf16" if multimodal else ""
+    print(f"wrote {out} (MXFP4 routed experts, bf16 elsewhere{vision}); report in {out / REPORT_FILE}")
     return 0

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from k3.checkpoint.multimodal import load_pretrained_multimodal
+from k3.checkpoint.multimodal import is_multimodal_checkpoint, load_pretrained_multimodal
 from k3.checkpoint.official import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.text.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -37,23 +36,6 @@ def tokenizer_path(folder: Path, tokenizer: str | None) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {folder}; pass --tokenizer PATH")
     return path / TOKENIZER_FILE if path.is_dir() else path
-
-
-def _has_vision(folder: Path) -> bool:
-    """A multimodal checkpoint (vision_tower.* tensors beside a `vision_config`): served with its
-    vision tower. The published config has a `vision_config` for text-only exports too."""
-    try:
-        if "vision_config" not in json.loads((folder / "config.json").read_text()):
-            return False
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            names = json.loads(index.read_text())["weight_map"]
-        else:
-            with safe_open(folder / "model.safetensors", "pt") as f:
-                names = list(f.keys())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False  # the loader reports the missing or broken file
-    return any(name.startswith("vision_tower.") for name in names)
 
 
 def is_chat_tuned(tokenizer_file: Path) -> bool:
@@ -96,7 +78,7 @@ def load_for_serving(run: str | None = None, model: str | None = None, tokenizer
         raise
     except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
         raise ValueError(f"{tok_path} is not a readable tokenizer file ({e})") from None
-    load = load_pretrained_multimodal if _has_vision(folder) else load_pretrained
+    load = load_pretrained_multimodal if is_multimodal_checkpoint(folder) else load_pretrained
     net = load(folder, device=torch.device(device), dtype=DTYPES[dtype]).eval()
     vocab = (net.language_model if hasattr(net, "language_model") else net).config.vocab_size
     if tok.get_vocab_size() > vocab:

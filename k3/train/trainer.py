@@ -49,8 +49,16 @@ from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
 from k3.train.muon import OPTIMIZERS, PerHeadMuon, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, pack, window, windows_for_step
-from k3.train.parallel import (World, all_reduce_sum, barrier, broadcast_object, clip_grad_norm_, init_world,
-                               shard_model, shutdown)
+from k3.train.parallel import (
+    World,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    clip_grad_norm_,
+    init_world,
+    shard_model,
+    shutdown,
+)
 from k3.train.progress import Progress
 from k3.train.schedule import warmup_cosine
 

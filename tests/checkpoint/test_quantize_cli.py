@@ -54,3 +54,31 @@ def test_expert_dims_not_multiples_of_32_are_a_one_line_error(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("k3 quantize: error: language_model.model.layers.1.block_sparse_moe."
                                                "experts.0.w2.weight (32, 48): its input dim 48 is not a multiple of 32")
     assert not (tmp_path / "mx").exists()
+
+
+def test_quantize_keeps_a_multimodal_checkpoints_vision_tower(tmp_path, capsys):
+    """The published K3 checkpoint is multimodal and packed: `k3 quantize` of a multimodal folder
+    packs the text model's routed experts and keeps the tower and projector (bf16, as the published
+    quantization_config ignores them) instead of dropping them with the text loader."""
+    from k3.checkpoint.multimodal import load_pretrained_multimodal, save_pretrained_multimodal
+    from k3.checkpoint.official import INDEX_NAME
+    from tests.checkpoint.test_multimodal_checkpoint import inputs, tiny_multimodal, vision_names
+
+    model = tiny_multimodal()
+    save_pretrained_multimodal(model, tmp_path / "dense")
+    assert _quantize(tmp_path / "dense", tmp_path / "mx") == 0
+    assert "vision tower and projector bf16" in capsys.readouterr().out
+    names = set(json.loads((tmp_path / "mx" / INDEX_NAME).read_text())["weight_map"])
+    assert vision_names(model.config.vision_config) <= names
+    assert any(n.endswith("experts.0.w1.weight_packed") for n in names)
+    assert not any(n.endswith("experts.0.w1.weight") for n in names)
+    config = json.loads((tmp_path / "mx" / "config.json").read_text())
+    assert config["architectures"] == ["KimiK3ForConditionalGeneration"] and "vision_config" in config
+    assert config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+
+    loaded = load_pretrained_multimodal(tmp_path / "mx", dtype=torch.float32).eval()
+    for name, p in model.named_parameters():
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            assert torch.equal(loaded.get_parameter(name), p.detach().to(torch.bfloat16).float()), name
+    with torch.no_grad():
+        assert torch.isfinite(loaded(*inputs(loaded))).all()

@@ -39,14 +39,14 @@ def _close(a: list[tuple], b: list[tuple], what: str) -> None:
 
 
 def test_two_process_vl_matches_one_process_and_resumes_single(tmp_path):
-    same = dict(balance="histogram", keep=3, keep_all_state=True)  # every checkpoint resumable
+    same = {"balance": "histogram", "keep": 3, "keep_all_state": True}  # every checkpoint resumable
     two = micro_settings(tmp_path, "two", **same)
     script, settings_file = tmp_path / "run_vl.py", tmp_path / "two.json"
     script.write_text(RUN)
     settings_file.write_text(json.dumps(dataclasses.asdict(two)))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), str(settings_file)], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = MetricsLog(Path(two.out)).read()
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]  # rank 0 alone writes
