@@ -2,6 +2,9 @@
 
 A model that was not chat-tuned (a `k3 train` run is pretraining) does not answer, it continues
 the conversation's text: `k3 chat` says so once at the start rather than let the replies puzzle.
+With a vision model, `/image PATH` attaches a PNG or JPEG to the next message, before its text:
+the request a client sends with an `image_url` part and then a `text` part (what a
+`k3 train --config k3-tiny-vl` run learns, docs/VISION.md).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, build_engine, check_
 NOT_CHAT_TUNED = ("note: {name} has not been chat-tuned (its tokenizer_config.json has no chat_template):\n"
                   "      its replies are plain continuations of the conversation's text, not answers.\n"
                   "      A chat model comes from supervised fine-tuning on conversations: k3 sft --run RUN_DIR")
+IMAGE_COMMAND = "/image"
 # what the user reads after a reply, by finish reason (the engine's own names are jargon)
 STOPPED = {"stop": "stopped: end of reply", "length": "stopped: length limit ({limit} tokens)",
            "error": "stopped: the model failed ({error})"}
@@ -46,6 +50,8 @@ def show(events) -> None:
 
 
 def run(args) -> int:
+    from k3.data.image_processor import ImageProcessor
+    from k3.serve.api.images import ImageError, image_part_from_file, prepare_images
     from k3.serve.loading import load_for_serving, run_chat_defaults
     from k3.serve.sampling import SamplingParams
     from k3.text.xtml import XTML, map_reasoning_effort
@@ -62,7 +68,11 @@ def run(args) -> int:
         return usage_error("chat", e)
     thinking = args.thinking if args.thinking is not None else run_chat_defaults(args.run).get("thinking", True)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"k3 chat with {name}: empty line or Ctrl-D to quit")
+    vision = engine.vision
+    processor = None if vision is None else ImageProcessor.from_vision_config(vision.config.vision_config)
+    attached: list[dict] = []  # image parts for the next user message
+    print(f"k3 chat with {name}: empty line or Ctrl-D to quit"
+          + ("; /image PATH attaches an image to your next message" if processor else ""))
     if not chat_tuned:
         print(NOT_CHAT_TUNED.format(name=name))
     while True:
@@ -72,15 +82,35 @@ def run(args) -> int:
             break
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
-        prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking)
+        if line.startswith(IMAGE_COMMAND):
+            if processor is None:
+                print(f"[{name} has no vision tower: {IMAGE_COMMAND} needs a multimodal checkpoint]")
+                continue
+            path = line[len(IMAGE_COMMAND):].strip()
+            try:
+                attached.append(image_part_from_file(path, max_pixels=processor.max_pixels))
+            except ImageError as e:
+                print(f"[{e}]")
+                continue
+            print(f"[attached {path}: it goes with your next message]")
+            continue
+        content = [*attached, {"type": "text", "text": line}] if attached else line
+        messages.append({"role": "user", "content": content})
+        attached = []
+        media, images = None, []
+        if processor is not None:  # every image of the history, in order: earlier ones hit the prefix cache
+            prepared = prepare_images(messages, processor)
+            media = prepared.media(vision.config.media_placeholder_token_id)
+        prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking, media=media)
+        if processor is not None:
+            images = prepared.engine_inputs(prompt.media_offsets)
         budget = min(args.max_tokens, engine.max_model_len - len(prompt.token_ids))
         if budget < 1:
             print("[the conversation fills the model length]")
             break
         request = engine.add_request(prompt.token_ids, SamplingParams(max_tokens=budget, temperature=args.temperature,
                                                                       stop_token_ids=[chat.eos]),
-                                     boundaries=prompt.boundaries, eos_token_id=chat.end_of_msg)
+                                     boundaries=prompt.boundaries, eos_token_id=chat.end_of_msg, images=images)
         parser, shown = chat.parser_for(prompt), 0
         while not request.status.finished:
             engine.step()

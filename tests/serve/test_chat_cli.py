@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -95,3 +96,48 @@ def test_bad_chat_options_are_one_line(run_dir, capsys, monkeypatch):
     for argv in (["--temperature", "5"], ["--max-tokens", "0"], ["--reasoning-effort", "extreme"]):
         code, _, err = chat(capsys, monkeypatch, ["--run", str(run_dir), *argv], [""])
         assert code == 2 and err.startswith("k3 chat: error: ") and err.count("\n") == 1, (argv, err)
+
+
+def test_image_command_attaches_a_picture_to_the_next_message(tmp_path, capsys, monkeypatch):
+    """`/image PATH` with a vision checkpoint: a bad path is one bracketed line and the chat goes on;
+    the picture goes with the next message (its placeholders in the prompt), and the next turn
+    finds it in the prefix cache. A text model says it has no vision tower."""
+    from PIL import Image
+
+    from k3.checkpoint.multimodal import save_pretrained_multimodal
+    from k3.data.image_processor import ImageProcessor
+    from tests.model.vision.test_multimodal import tiny_multimodal
+    from tests.serve.test_images import CORPUS, PLACEHOLDER, VOCAB, picture
+
+    tokenizer = train_tokenizer(CORPUS, 330)
+    model = tiny_multimodal(vocab_size=VOCAB)
+    model.config.media_placeholder_token_id = PLACEHOLDER
+    step = tmp_path / "vl"
+    save_pretrained_multimodal(model, step)
+    save_tokenizer(tokenizer, step)
+    picture(0).save(tmp_path / "scene.png")
+    (tmp_path / "notes.txt").write_text("not a picture")
+    lines = [f"/image {tmp_path / 'missing.png'}", f"/image {tmp_path / 'notes.txt'}", f"/image {tmp_path / 'scene.png'}",
+             "What is shown in the picture?", "How many shapes are there?", ""]
+    code, out, _ = chat(capsys, monkeypatch, ["--model", str(step), "--max-tokens", "3", "--temperature", "0",
+                                              "--verbose"], lines)
+    assert code == 0 and "/image PATH attaches an image" in out
+    assert f"[{tmp_path / 'missing.png'}: No such file or directory]" in out
+    assert f"[{tmp_path / 'notes.txt'}: not an image file; PNG and JPEG are accepted]" in out
+    assert f"[attached {tmp_path / 'scene.png'}: it goes with your next message]" in out
+    status = [line for line in out.splitlines() if line.startswith("[stopped:")]
+    assert len(status) == 2, out
+    placeholders = ImageProcessor.from_vision_config(model.config.vision_config)([picture(0)]).num_placeholders[0]
+    first, second = (tuple(map(int, re.search(r"(\d+) prompt tokens, (\d+) from the prefix cache", s).groups()))
+                     for s in status)
+    assert first[0] > placeholders  # prompt tokens: the image's placeholders and the text
+    assert second[1] >= first[0] - 8  # the next turn reads the first (image included) from the prefix cache
+
+    text_step = tmp_path / "text"
+    torch.manual_seed(0)
+    save_pretrained(K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size())), text_step)
+    save_tokenizer(tokenizer, text_step)
+    code, out, _ = chat(capsys, monkeypatch, ["--model", str(text_step), "--max-tokens", "2"],
+                        [f"/image {tmp_path / 'scene.png'}", ""])
+    assert code == 0 and "has no vision tower: /image needs a multimodal checkpoint" in out
+    assert "attaches an image" not in out

@@ -12,6 +12,7 @@ import binascii
 import hashlib
 import io
 from dataclasses import dataclass
+from pathlib import Path
 
 from PIL import Image
 
@@ -75,6 +76,28 @@ def decode_image_url(url: str, where: str, *, max_pixels: int) -> DecodedImage:
     return DecodedImage(image, h.digest())
 
 
+def image_part_from_file(path: str | Path, *, max_pixels: int) -> dict:
+    """A PNG or JPEG file as the `image_url` content part a client would send (a data: URI),
+    checked as a request's image is (`k3 chat`'s /image); ImageError naming the file."""
+    path = Path(path).expanduser()
+    try:
+        if path.stat().st_size > MAX_IMAGE_BYTES:
+            raise ImageError(f"{path}: the image is over {MAX_IMAGE_BYTES >> 20} MiB")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"{path}: {e.strerror or e}") from None
+    try:
+        fmt = Image.open(io.BytesIO(data)).format
+    except (OSError, ValueError):
+        fmt = None
+    media_type = {"PNG": "image/png", "JPEG": "image/jpeg"}.get(fmt or "")
+    if media_type is None:
+        raise ImageError(f"{path}: {'a ' + fmt if fmt else 'not an image'} file; PNG and JPEG are accepted")
+    part = {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
+    decode_image_url(part["image_url"]["url"], str(path), max_pixels=max_pixels)
+    return part
+
+
 def image_parts(messages: list[dict]) -> list[tuple[str, str]]:
     """(url, where) of every image part, in the order the renderer meets them."""
     out = []
@@ -98,6 +121,17 @@ class PreparedImages:
     grid_thws: list[tuple[int, int, int]]
     digests: list[bytes]
     counts: list[int]  # placeholders per image
+
+    def media(self, placeholder_id: int) -> list[list[int]]:
+        """The renderer's `media`: each image's run of placeholder ids."""
+        return [[placeholder_id] * n for n in self.counts]
+
+    def engine_inputs(self, offsets: list[int]) -> list:
+        """The engine's ImageInput per image, at the rendered prompt's `media_offsets`."""
+        from k3.serve.engine import ImageInput
+
+        return [ImageInput(offset, pv, grid, digest)
+                for offset, pv, grid, digest in zip(offsets, self.pixel_values, self.grid_thws, self.digests)]
 
 
 def prepare_images(messages: list[dict], processor: ImageProcessor) -> PreparedImages:

@@ -23,7 +23,7 @@ from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest,
                                   ErrorResponse)
 from k3.serve.api.tool_calls import ToolCallChecker
-from k3.serve.engine import AsyncEngine, EngineError, ImageInput, RequestStream, StreamDelta
+from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
 from k3.text.tokenizer import encode_text
@@ -344,15 +344,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         media, images = None, []
         if ctx.images is not None:  # decoded off the event loop: a large image takes a while
             prepared = await asyncio.to_thread(prepare_images, messages, ctx.images)
-            media = [[ctx.engine.engine.vision.config.media_placeholder_token_id] * n for n in prepared.counts]
+            media = prepared.media(ctx.engine.engine.vision.config.media_placeholder_token_id)
         rendered = await asyncio.to_thread(
             ctx.chat.render, messages,
             tools=tools if use_tools else None, reasoning_effort=body.reasoning_effort,
             thinking=body.thinking(ctx.chat_defaults),
             tool_choice=tool_choice if use_tools else None, media=media)
         if ctx.images is not None:
-            images = [ImageInput(offset, pv, grid, digest) for offset, pv, grid, digest in zip(
-                rendered.media_offsets, prepared.pixel_values, prepared.grid_thws, prepared.digests)]
+            images = prepared.engine_inputs(rendered.media_offsets)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None
