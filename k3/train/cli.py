@@ -187,5 +187,6 @@ def run(args) -> int:
               f"({result['val_tokens']:,} val tokens), {result['elapsed'] / 60:.1f} min\n"
               f"  checkpoint {result['checkpoint']}\n"
               f"  report {run_dir}/report.md, loss curve {run_dir}/loss.png, metrics {run_dir}/metrics.jsonl\n"
-              f"  try: k3 generate --run {run_dir} --prompt \"To be, or not to be\"")
+              + (f"  try: k3 chat --run {run_dir}  (then /image scene.png, and ask about it)" if "vqa" in result else
+                 f"  try: k3 generate --run {run_dir} --prompt \"To be, or not to be\""))
     return 0

@@ -45,7 +45,7 @@ from k3.generation.generate import generate
 from k3.model.cache import K3Cache
 from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
 from k3.model.params import count_parameters, count_vision_parameters
-from k3.text.tokenizer import load_tokenizer, tokenizer_fingerprint, train_tokenizer
+from k3.text.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
 from k3.train.muon import OPTIMIZERS, Blocks, param_groups
@@ -247,6 +247,13 @@ class VLTrainer(Trainer):
         self._start_optimizer(vl_param_groups(model, weight_decay=s.weight_decay, optimizer=s.optimizer,
                                               vision_optimizer=s.vision_optimizer or None,
                                               vision_lr=s.lr * s.vision_lr_scale), resume)
+
+    def save_tokenizer_to(self, folder: Path) -> None:
+        """With the chat template: a VL run learns chat conversations, so `k3 chat` and `k3 serve`
+        treat its checkpoints as the chat model they are."""
+        from k3.text.chat_template import CHAT_TEMPLATE
+
+        save_tokenizer(self.tokenizer, folder, chat_template=CHAT_TEMPLATE)
 
     # ------------------------------------------------------------------ one step
     def step_items(self) -> tuple[list[int], list[int]]:

@@ -57,6 +57,9 @@ def reference_run(tmp_path_factory):
 def test_run_writes_checkpoint_metrics_and_vqa_figures(reference_run):
     _, settings, trainer, result = reference_run
     run = Path(settings.out)
+    from k3.serve.loading import is_chat_tuned
+
+    assert is_chat_tuned(run / "tokenizer.json")  # conversations were learned: `k3 chat` takes it as a chat model
     for name in ("run.json", "tokenizer.json", "metrics.jsonl", "loss.png", "report.md"):
         assert (run / name).is_file(), name
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
