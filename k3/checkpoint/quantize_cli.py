@@ -1,7 +1,7 @@
 """`k3 quantize --model DIR --out DIR`: a dense checkpoint -> the official MXFP4 packed layout.
 
 DIR is a checkpoint folder or a `k3 train` run folder (its latest checkpoint). A multimodal one
-(config.json with a vision_config) keeps its vision tower and projector, in bf16 as published.
+(vision_tower tensors beside a vision_config) keeps its tower and projector, in bf16 as published.
 
 Routed experts become MXFP4 (K3 ceil rule), everything else bf16 (k3/checkpoint/packed.py);
 tokenizer files are copied along so the output serves on its own. Prints the per-layer relative

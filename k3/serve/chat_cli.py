@@ -82,7 +82,7 @@ def run(args) -> int:
             break
         if not line.strip():
             break
-        if line.startswith(IMAGE_COMMAND):
+        if line.split(maxsplit=1)[0] == IMAGE_COMMAND:
             if processor is None:
                 print(f"[{name} has no vision tower: {IMAGE_COMMAND} needs a multimodal checkpoint]")
                 continue
