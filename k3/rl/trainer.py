@@ -51,7 +51,7 @@ from k3.rl.episodes import run_episodes, summarize
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, policy_loss, token_logprobs
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
 from k3.serve.engine import EngineConfig
-from k3.text.tokenizer import load_tokenizer, save_tokenizer
+from k3.text.tokenizer import load_tokenizer
 from k3.text.xtml import XTML
 from k3.train.errors import TrainError
 from k3.train.muon import OPTIMIZERS
@@ -180,6 +180,7 @@ def _seed_of(uid: str) -> int:
 
 class RLTrainer(Trainer):
     SETTINGS = RLSettings
+    CHAT_MODEL = True
     OPTIONAL_STRINGS = ("budgets", "out", "cache_dir")
     OPTIONAL_FLOATS = ("tau",)
 
@@ -522,7 +523,3 @@ class RLTrainer(Trainer):
         write_rl_report(self.run_dir, settings=dataclasses.asdict(self.s), params=self.params, records=records,
                         wall_time_s=self.elapsed, checkpoint=checkpoint, tau=self.s.tau_value)
 
-    def save_tokenizer_to(self, folder: Path) -> None:
-        from k3.text.chat_template import CHAT_TEMPLATE
-
-        save_tokenizer(self.tokenizer, folder, chat_template=CHAT_TEMPLATE)

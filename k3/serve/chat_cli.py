@@ -51,7 +51,7 @@ def show(events) -> None:
 
 def run(args) -> int:
     from k3.data.image_processor import ImageProcessor
-    from k3.serve.api.images import ImageError, image_part_from_file, prepare_images
+    from k3.serve.api.images import ImageError, PreparedImages, image_part_from_file, prepare_image
     from k3.serve.loading import load_for_serving, run_chat_defaults
     from k3.serve.sampling import SamplingParams
     from k3.text.xtml import XTML, map_reasoning_effort
@@ -70,7 +70,8 @@ def run(args) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     vision = engine.vision
     processor = None if vision is None else ImageProcessor.from_vision_config(vision.config.vision_config)
-    attached: list[dict] = []  # image parts for the next user message
+    attached: list[tuple[dict, PreparedImages]] = []  # image parts for the next user message, processed
+    history = PreparedImages([], [], [], [])  # the conversation's images so far, processed once each
     print(f"k3 chat with {name}: empty line or Ctrl-D to quit"
           + ("; /image PATH attaches an image to your next message" if processor else ""))
     if not chat_tuned:
@@ -88,22 +89,22 @@ def run(args) -> int:
                 continue
             path = line[len(IMAGE_COMMAND):].strip()
             try:
-                attached.append(image_part_from_file(path, max_pixels=processor.max_pixels))
+                part = image_part_from_file(path)
+                attached.append((part, prepare_image(part["image_url"]["url"], path, processor)))
             except ImageError as e:
                 print(f"[{e}]")
                 continue
             print(f"[attached {path}: it goes with your next message]")
             continue
-        content = [*attached, {"type": "text", "text": line}] if attached else line
+        content = [*(part for part, _ in attached), {"type": "text", "text": line}] if attached else line
         messages.append({"role": "user", "content": content})
+        for _, prepared in attached:
+            history.extend(prepared)
         attached = []
-        media, images = None, []
-        if processor is not None:  # every image of the history, in order: earlier ones hit the prefix cache
-            prepared = prepare_images(messages, processor)
-            media = prepared.media(vision.config.media_placeholder_token_id)
+        # every image of the history, in order: earlier ones hit the prefix cache
+        media = None if processor is None else history.media(vision.config.media_placeholder_token_id)
         prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking, media=media)
-        if processor is not None:
-            images = prepared.engine_inputs(prompt.media_offsets)
+        images = [] if processor is None else history.engine_inputs(prompt.media_offsets)
         budget = min(args.max_tokens, engine.max_model_len - len(prompt.token_ids))
         if budget < 1:
             print("[the conversation fills the model length]")

@@ -31,7 +31,7 @@ from k3.sft import default_set
 from k3.sft.agent_eval import run_episodes
 from k3.sft.batches import example, pack_examples, rows_of
 from k3.sft.dataset import SFTDataError, check_length, read_conversations
-from k3.text.tokenizer import load_tokenizer, save_tokenizer
+from k3.text.tokenizer import load_tokenizer
 from k3.text.xtml import XTML
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
@@ -90,6 +90,7 @@ def _validate(s: SFTSettings, world_size: int, max_positions: int) -> None:
 
 class SFTTrainer(Trainer):
     SETTINGS = SFTSettings
+    CHAT_MODEL = True
     OPTIONAL_STRINGS = ("data", "val_data", "out", "cache_dir")
 
     @staticmethod
@@ -250,7 +251,3 @@ class SFTTrainer(Trainer):
                      data=s.data or f"embedded default SFT set ({s.train_size} train / {s.val_size} held-out)",
                      batch=f"{s.batch_size} conversations (of at most {s.seq_len} tokens)", extra=extra)
 
-    def save_tokenizer_to(self, folder: Path) -> None:
-        from k3.text.chat_template import CHAT_TEMPLATE
-
-        save_tokenizer(self.tokenizer, folder, chat_template=CHAT_TEMPLATE)  # the mark of a chat model

@@ -158,6 +158,13 @@ def broadcast_object(obj, world: World):
     return box[0]
 
 
+def any_rank(flag: bool, world: World) -> bool:
+    """`flag` on any rank (e.g. one rank still decoding while the others are done)."""
+    if not world.distributed:
+        return flag
+    return bool(all_reduce_sum(torch.tensor([float(flag)], device=world.device), world).item())
+
+
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
     if world.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

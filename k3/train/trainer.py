@@ -164,6 +164,7 @@ def model_config(config: str, overrides: dict) -> K3Config:
 
 class Trainer:
     SETTINGS = TrainSettings
+    CHAT_MODEL = False  # its checkpoints carry the chat template (SFT, RL, VL: they learn conversations)
     OPTIONAL_STRINGS = ("data", "out", "cache_dir")  # settings that are None or a string
     OPTIONAL_FLOATS: tuple[str, ...] = ()  # settings that are None or a number
 
@@ -181,13 +182,20 @@ class Trainer:
 
     def _setup(self, settings: TrainSettings, resume: bool) -> None:
         config = self._read_config(settings)
-        _validate(settings, self.world, config.max_position_embeddings, config.vocab_size)
+        self._validate_settings(settings, config)
         self._prepare_run_dir(settings, resume)
         barrier(self.world)  # every rank has checked the run folder before rank 0 writes into it
         self._setup_data(settings, config, resume)
         self._write_run_files(settings, resume)
         torch.manual_seed(settings.seed)
-        self._setup_model(K3ForCausalLM(self.config), resume)
+        self._setup_model(self._new_model(), resume)
+
+    def _validate_settings(self, settings: TrainSettings, config: K3Config) -> None:
+        _validate(settings, self.world, config.max_position_embeddings, config.vocab_size)
+
+    def _new_model(self) -> torch.nn.Module:
+        """The model to train, freshly initialized (after the data set self.config's token ids)."""
+        return K3ForCausalLM(self.config)
 
     def _read_config(self, settings) -> K3Config:
         return model_config(settings.config, settings.overrides)
@@ -390,7 +398,6 @@ class Trainer:
         grad_norm, lr, loads = self.optimizer_step()
         step_tokens = self.global_tokens(local_tokens)
         self.tokens_seen += step_tokens
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
         return {"kind": "train", "step": self.step, "loss": float(all_reduce_sum(nll, world)) / targets, "lr": lr,
                 "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3),
@@ -401,6 +408,7 @@ class Trainer:
         expert-balance rule (SPEC §6), count the step. Returns the gradient norm, the step's learning
         rate and the experts' loads of the step."""
         grad_norm = clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -512,7 +520,11 @@ class Trainer:
                 "elapsed": self.elapsed}
 
     def save_tokenizer_to(self, folder: Path) -> None:
-        save_tokenizer(self.tokenizer, folder)
+        """The run's tokenizer, with the chat template when the trainer teaches chat (CHAT_MODEL):
+        the mark `k3 chat` and `k3 serve` read as a chat model."""
+        from k3.text.chat_template import CHAT_TEMPLATE
+
+        save_tokenizer(self.tokenizer, folder, chat_template=CHAT_TEMPLATE if self.CHAT_MODEL else None)
 
     def write_outputs(self, records: list[dict], checkpoint: Path | None) -> None:
         """loss.png and report.md from the run's final records (rank 0)."""

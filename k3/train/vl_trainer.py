@@ -45,12 +45,12 @@ from k3.generation.generate import generate
 from k3.model.cache import K3Cache
 from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
 from k3.model.params import count_parameters, count_vision_parameters
-from k3.text.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from k3.text.tokenizer import load_tokenizer, tokenizer_fingerprint, train_tokenizer
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
 from k3.train.muon import OPTIMIZERS, Blocks, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, window, windows_for_step
-from k3.train.parallel import all_reduce_sum, barrier, shard_multimodal
+from k3.train.parallel import all_reduce_sum, any_rank, shard_multimodal
 from k3.train.trainer import Trainer, TrainSettings, validate_common
 from k3.train.vl_config import VLCheckpointConfig, load_vl_config
 from k3.train.vl_data import VLEncoder, corpus_texts, describe, pack_vl, scene_questions, scenes_for_step
@@ -162,16 +162,13 @@ def vl_param_groups(model: K3ForConditionalGeneration, *, weight_decay: float, o
 # ---------------------------------------------------------------------- the trainer
 class VLTrainer(Trainer):
     SETTINGS = VLSettings
+    CHAT_MODEL = True  # it learns chat conversations: `k3 chat` / `k3 serve` take it as a chat model
 
-    def _setup(self, settings: VLSettings, resume: bool) -> None:
-        config = self._read_config(settings)
+    def _validate_settings(self, settings: VLSettings, config: K3MultimodalConfig) -> None:
         _validate_vl(settings, config, self.world.size)
-        self._prepare_run_dir(settings, resume)
-        barrier(self.world)  # every rank has checked the run folder before rank 0 writes into it
-        self._setup_data(settings, config, resume)
-        self._write_run_files(settings, resume)
-        torch.manual_seed(settings.seed)
-        self._setup_model(K3ForConditionalGeneration(self.mm_config), resume)
+
+    def _new_model(self) -> K3ForConditionalGeneration:
+        return K3ForConditionalGeneration(self.mm_config)
 
     def _read_config(self, settings) -> K3MultimodalConfig:
         try:
@@ -248,13 +245,6 @@ class VLTrainer(Trainer):
                                               vision_optimizer=s.vision_optimizer or None,
                                               vision_lr=s.lr * s.vision_lr_scale), resume)
 
-    def save_tokenizer_to(self, folder: Path) -> None:
-        """With the chat template: a VL run learns chat conversations, so `k3 chat` and `k3 serve`
-        treat its checkpoints as the chat model they are."""
-        from k3.text.chat_template import CHAT_TEMPLATE
-
-        save_tokenizer(self.tokenizer, folder, chat_template=CHAT_TEMPLATE)
-
     # ------------------------------------------------------------------ one step
     def step_items(self) -> tuple[list[int], list[int]]:
         """The step's text windows and scene indices (pure functions of (seed, step)), all ranks'."""
@@ -311,7 +301,6 @@ class VLTrainer(Trainer):
         text_nll, vl_nll, tokens = all_reduce_sum(sums, world).tolist()
         tokens = int(tokens)
         self.tokens_seen += tokens
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         text_loss = text_nll / text_targets
         image_loss = vl_nll / vl_answers
         max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
@@ -361,7 +350,7 @@ class VLTrainer(Trainer):
                         still.append(row)
                     else:
                         finished.add(seq)
-                if not self._any_rank(bool(still)):
+                if not any_rank(bool(still), self.world):
                     break
                 # a rank done before the others decodes its last rows on (unread): FSDP's forward is a collective
                 if still and len(still) < len(active):
@@ -373,12 +362,6 @@ class VLTrainer(Trainer):
                 answers.append(self.encoder.chat.parse_reply(r, out).content.strip())
         self.model.train(was_training)
         return answers
-
-    def _any_rank(self, flag: bool) -> bool:
-        """`flag` on any rank (every rank evaluates the same prompts; one may finish first)."""
-        if not self.world.distributed:
-            return flag
-        return bool(all_reduce_sum(torch.tensor([float(flag)], device=self.world.device), self.world).item())
 
     @torch.no_grad()
     def heldout_loss(self) -> tuple[float, int]:

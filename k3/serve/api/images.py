@@ -76,9 +76,9 @@ def decode_image_url(url: str, where: str, *, max_pixels: int) -> DecodedImage:
     return DecodedImage(image, h.digest())
 
 
-def image_part_from_file(path: str | Path, *, max_pixels: int) -> dict:
-    """A PNG or JPEG file as the `image_url` content part a client would send (a data: URI),
-    checked as a request's image is (`k3 chat`'s /image); ImageError naming the file."""
+def image_part_from_file(path: str | Path) -> dict:
+    """A PNG or JPEG file as the `image_url` content part a client would send (a data: URI) for
+    `k3 chat`'s /image; ImageError naming the file. Its pixels are checked by `prepare_image`."""
     path = Path(path).expanduser()
     try:
         if path.stat().st_size > MAX_IMAGE_BYTES:
@@ -93,9 +93,7 @@ def image_part_from_file(path: str | Path, *, max_pixels: int) -> dict:
     media_type = {"PNG": "image/png", "JPEG": "image/jpeg"}.get(fmt or "")
     if media_type is None:
         raise ImageError(f"{path}: {'a ' + fmt if fmt else 'not an image'} file; PNG and JPEG are accepted")
-    part = {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
-    decode_image_url(part["image_url"]["url"], str(path), max_pixels=max_pixels)
-    return part
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
 
 
 def image_parts(messages: list[dict]) -> list[tuple[str, str]]:
@@ -122,6 +120,12 @@ class PreparedImages:
     digests: list[bytes]
     counts: list[int]  # placeholders per image
 
+    def extend(self, other: PreparedImages) -> None:
+        """Append `other`'s images after these (in prompt order)."""
+        for mine, theirs in zip((self.pixel_values, self.grid_thws, self.digests, self.counts),
+                                (other.pixel_values, other.grid_thws, other.digests, other.counts)):
+            mine.extend(theirs)
+
     def media(self, placeholder_id: int) -> list[list[int]]:
         """The renderer's `media`: each image's run of placeholder ids."""
         return [[placeholder_id] * n for n in self.counts]
@@ -138,13 +142,16 @@ def prepare_images(messages: list[dict], processor: ImageProcessor) -> PreparedI
     """Decode, check and process every image part of the messages (one grid row per image)."""
     out = PreparedImages([], [], [], [])
     for url, where in image_parts(messages):
-        decoded = decode_image_url(url, where, max_pixels=processor.max_pixels)
-        try:
-            inputs = processor([decoded.image])
-        except ValueError as e:
-            raise ImageError(f"{where}: {e}") from None
-        out.pixel_values.append(inputs.pixel_values)
-        out.grid_thws.append(tuple(int(x) for x in inputs.grid_thws[0]))
-        out.digests.append(decoded.digest)
-        out.counts.append(int(inputs.num_placeholders[0]))
+        out.extend(prepare_image(url, where, processor))
     return out
+
+
+def prepare_image(url: str, where: str, processor: ImageProcessor) -> PreparedImages:
+    """One image part's URL decoded, checked and processed; ImageError naming `where`."""
+    decoded = decode_image_url(url, where, max_pixels=processor.max_pixels)
+    try:
+        inputs = processor([decoded.image])
+    except ValueError as e:
+        raise ImageError(f"{where}: {e}") from None
+    return PreparedImages([inputs.pixel_values], [tuple(int(x) for x in inputs.grid_thws[0])], [decoded.digest],
+                          [int(inputs.num_placeholders[0])])
