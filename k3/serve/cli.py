@@ -105,7 +105,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help='chat template options for requests that send none, e.g. \'{"thinking": false}\' '
                         "(default: what the --run was trained with, else the template's: thinking on)")
+    p.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                   help="fetch http(s) image URLs from these host names (exact match); default: fetch nothing")
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs from any host (the server can then be made to reach hosts "
+                        "its clients cannot: prefer --allowed-media-domains)")
+    p.add_argument("--media-fetch-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="deadline for fetching one image, redirects included (default %(default)s)")
     p.add_argument("--log-level", default="info")
+
+
+def media_fetch_policy(args):
+    """The FetchPolicy the flags ask for, None when fetching is off; ValueError in one line."""
+    from k3.serve.api.media_fetch import FetchPolicy
+
+    if args.allow_remote_images and args.allowed_media_domains:
+        raise ValueError("--allow-remote-images and --allowed-media-domains exclude each other")
+    if not (args.allow_remote_images or args.allowed_media_domains):
+        return None
+    return FetchPolicy(frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
+                       timeout=args.media_fetch_timeout)
 
 
 def json_object(text: str) -> dict:
@@ -130,6 +149,7 @@ def run(args) -> int:
     try:
         check_engine_settings(args)
         chat_template_defaults(args.default_chat_template_kwargs)  # a bad value fails before the model loads
+        media_fetch = media_fetch_policy(args)
         model, tokenizer, name, _ = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
         engine = AsyncEngine(build_engine(model, args), tokenizer)
     except LOAD_ERRORS as e:
@@ -140,7 +160,12 @@ def run(args) -> int:
         if chat_defaults:
             logging.getLogger("k3.serve").info("chat requests without chat_template_kwargs: %s (as the run was "
                                                "trained; --default-chat-template-kwargs overrides)", chat_defaults)
+    if media_fetch is not None:
+        logging.getLogger("k3.serve").warning(
+            "image URLs are fetched from %s (timeout %g s)", ", ".join(sorted(media_fetch.allowed_domains))
+            if media_fetch.allowed_domains else "any host", media_fetch.timeout)
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key,
-                    max_request_bytes=args.max_request_bytes, default_chat_template_kwargs=chat_defaults)
+                    max_request_bytes=args.max_request_bytes, default_chat_template_kwargs=chat_defaults,
+                    media_fetch=media_fetch)
     run_server(app, args.host, args.port)
     return 0

@@ -17,12 +17,14 @@ from PIL import Image
 from k3.config import load_config
 from k3.data.image_processor import ImageProcessor
 from k3.model.transformer import K3ForCausalLM
+from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, ImageInput, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.text.tokenizer import train_tokenizer
 from tests.model.vision.test_multimodal import tiny_multimodal
 from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.serve.test_media_fetch import image_host, png_bytes
 
 CORPUS = ["What is shown in the picture?", "A red square and two blue circles.", "How many shapes are there?"]
 VOCAB, PLACEHOLDER = 340, 339  # the tokenizer's 330 ids, then room for the placeholder id
@@ -46,7 +48,7 @@ def server(vl_model, tokenizer):
     app = build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="k3-tiny-vl")
     app.state.ctx.images = ImageProcessor.from_vision_config(vl_model.config.vision_config, max_pixels=200 * 200)
     with ServerThread(app) as s:
-        s.images = app.state.ctx.images
+        s.images, s.ctx = app.state.ctx.images, app.state.ctx
         yield s, engine
 
 
@@ -106,12 +108,32 @@ def test_the_same_image_hits_the_prefix_cache_and_another_does_not(server):
         assert miss.usage.prompt_tokens_details.cached_tokens < hit - image - 8
 
 
+def test_an_image_url_is_fetched_when_the_server_allows_its_host(server):
+    """`k3 serve --allowed-media-domains`: the openai client sends an http URL; the reply equals the
+    one for the same picture inline, and the pixels key the cache (the second request hits)."""
+    s, _ = server
+    c = client(s)
+    kw = {"model": "k3-tiny-vl", "max_tokens": 4, "temperature": 0,
+          "extra_body": {"ignore_eos": True, "chat_template_kwargs": {"thinking": False}}}
+    with image_host() as host:
+        s.ctx.media_fetch = FetchPolicy(frozenset({"127.0.0.1"}), timeout=5)
+        try:
+            fetched = c.chat.completions.create(messages=ask(f"{host}/ok.png"), **kw)
+            inline = c.chat.completions.create(messages=ask(data_uri(Image.open(io.BytesIO(png_bytes())))), **kw)
+            with pytest.raises(openai.BadRequestError, match="HTTP 404"):
+                c.chat.completions.create(messages=ask(f"{host}/missing.png"), **kw)
+        finally:
+            s.ctx.media_fetch = None
+    assert fetched.choices[0].message.content == inline.choices[0].message.content
+    assert inline.usage.prompt_tokens_details.cached_tokens >= inline.usage.prompt_tokens - 8
+
+
 @pytest.mark.parametrize("url, message", [
     ("data:image/png;base64,aGVsbG8=", "could not be decoded"),
     ("data:image/png;base64,@@@", "not valid base64"),
     ("data:image/gif;base64,R0lGODlhAQABAAAAACw=", "unsupported image type 'image/gif'"),
     ("data:image/png,rawbytes", "must be base64-encoded"),
-    ("https://example.com/cat.png", "not fetched (fetching is off)"),
+    ("https://example.com/cat.png", "not fetched (fetching is off"),
     ("file:///etc/passwd", "not fetched"),
     (None, "over the limit"),  # 300 x 300 pixels against the test server's 200 x 200 limit
 ])

@@ -1,6 +1,7 @@
-"""Images in chat requests: OpenAI `image_url` content parts with `data:` URIs, decoded, checked
-and processed into what the engine takes (k3.serve.engine.ImageInput). Every bad image is a
-400 with a message naming what is wrong; nothing is fetched from the network.
+"""Images in chat requests: OpenAI `image_url` content parts with `data:` URIs (or http(s) URLs
+when the server fetches: k3.serve.api.media_fetch), decoded, checked and processed into what the
+engine takes (k3.serve.engine.ImageInput). Every bad image is a 400 with a message naming what is
+wrong; by default nothing is fetched from the network.
 
 The prefix cache keys an image by a hash of its decoded pixels (mode, size and bytes), not of the
 request text: the same picture sent as PNG or as another PNG encoding hits, two different
@@ -17,6 +18,7 @@ from pathlib import Path
 from PIL import Image
 
 from k3.data.image_processor import ImageProcessor
+from k3.serve.api.media_fetch import FetchError, FetchPolicy, fetch
 
 # data: URI media types we decode, with the format the bytes must then be
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
@@ -34,14 +36,25 @@ class DecodedImage:
     digest: bytes  # BLAKE2b-128 of mode, size and pixels
 
 
-def decode_image_url(url: str, where: str, *, max_pixels: int) -> DecodedImage:
-    """A `data:image/png;base64,...` (or jpeg) URI -> the decoded image and its pixel hash."""
+def decode_image_url(url: str, where: str, *, max_pixels: int, fetch_policy: FetchPolicy | None = None) -> DecodedImage:
+    """A `data:image/png;base64,...` (or jpeg) URI -> the decoded image and its pixel hash; an
+    http(s) URL is fetched only under `fetch_policy` (k3.serve.api.media_fetch)."""
     if not isinstance(url, str) or not url:
         raise ImageError(f"{where}: image_url.url must be a non-empty string")
     if not url.startswith("data:"):
-        remote = url.split(":", 1)[0].lower() in ("http", "https", "ftp", "file")
-        raise ImageError(f"{where}: {'remote image URLs are not fetched (fetching is off)' if remote else 'unsupported image URL'};"
-                         " send the image inline as a data:image/png;base64,... or data:image/jpeg;base64,... URI")
+        scheme = url.split(":", 1)[0].lower()
+        if scheme in ("http", "https") and fetch_policy is not None:
+            try:
+                return decode_image_bytes(fetch(url, fetch_policy), where, max_pixels=max_pixels)
+            except FetchError as e:
+                raise ImageError(f"{where}: {e}") from None
+        if scheme in ("http", "https", "ftp", "file"):
+            why = ("remote image URLs are fetched over http(s) only" if fetch_policy is not None else
+                   "remote image URLs are not fetched (fetching is off; `k3 serve --allowed-media-domains` turns it on)")
+        else:
+            why = "unsupported image URL"
+        raise ImageError(f"{where}: {why}; send the image inline as a data:image/png;base64,... or "
+                         "data:image/jpeg;base64,... URI")
     header, comma, payload = url[5:].partition(",")
     if not comma:
         raise ImageError(f"{where}: malformed data: URI (no comma before the data)")
@@ -57,11 +70,17 @@ def decode_image_url(url: str, where: str, *, max_pixels: int) -> DecodedImage:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError(f"{where}: the image data is not valid base64") from None
+    return decode_image_bytes(data, where, max_pixels=max_pixels, expect=FORMATS[media_type])
+
+
+def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str | None = None) -> DecodedImage:
+    """PNG or JPEG bytes -> the decoded image and its pixel hash (`expect`: the format a data: URI
+    declared; a fetched file's format is read from its bytes, not from the server's headers)."""
     try:
         image = Image.open(io.BytesIO(data))
         fmt = image.format
-        if fmt not in ("PNG", "JPEG"):
-            raise ImageError(f"{where}: the data is {fmt or 'not an image'}, not {FORMATS[media_type]}")
+        if fmt not in ("PNG", "JPEG") or (expect is not None and fmt != expect):
+            raise ImageError(f"{where}: the data is {fmt or 'not an image'}, not {expect or 'PNG or JPEG'}")
         width, height = image.size
         if width * height > max_pixels:  # before decoding the pixels: a decompression bomb stops here
             raise ImageError(f"{where}: the image is {width} x {height} pixels, over the limit of {max_pixels:,}")
@@ -138,17 +157,20 @@ class PreparedImages:
                 for offset, pv, grid, digest in zip(offsets, self.pixel_values, self.grid_thws, self.digests)]
 
 
-def prepare_images(messages: list[dict], processor: ImageProcessor) -> PreparedImages:
+def prepare_images(messages: list[dict], processor: ImageProcessor,
+                   fetch_policy: FetchPolicy | None = None) -> PreparedImages:
     """Decode, check and process every image part of the messages (one grid row per image)."""
     out = PreparedImages([], [], [], [])
     for url, where in image_parts(messages):
-        out.extend(prepare_image(url, where, processor))
+        out.extend(prepare_image(url, where, processor, fetch_policy))
     return out
 
 
-def prepare_image(url: str, where: str, processor: ImageProcessor) -> PreparedImages:
-    """One image part's URL decoded, checked and processed; ImageError naming `where`."""
-    decoded = decode_image_url(url, where, max_pixels=processor.max_pixels)
+def prepare_image(url: str, where: str, processor: ImageProcessor,
+                  fetch_policy: FetchPolicy | None = None) -> PreparedImages:
+    """One image part's URL decoded (fetched under `fetch_policy`), checked and processed;
+    ImageError naming `where`."""
+    decoded = decode_image_url(url, where, max_pixels=processor.max_pixels, fetch_policy=fetch_policy)
     try:
         inputs = processor([decoded.image])
     except ValueError as e:

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from k3.data.image_processor import ImageProcessor
 from k3.serve.api.images import prepare_images
+from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest,
                                   ErrorResponse)
@@ -40,6 +41,7 @@ class ServingContext:
     created: int
     images: ImageProcessor | None = None  # a vision model's processor; None: text only
     chat_defaults: ChatTemplateKwargs | None = None  # --default-chat-template-kwargs, or the run's (run.json)
+    media_fetch: FetchPolicy | None = None  # http(s) image URLs are fetched under it; None: never
 
 
 router = APIRouter()
@@ -343,7 +345,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     try:
         media, images = None, []
         if ctx.images is not None:  # decoded off the event loop: a large image takes a while
-            prepared = await asyncio.to_thread(prepare_images, messages, ctx.images)
+            prepared = await asyncio.to_thread(prepare_images, messages, ctx.images, ctx.media_fetch)
             media = prepared.media(ctx.engine.engine.vision.config.media_placeholder_token_id)
         rendered = await asyncio.to_thread(
             ctx.chat.render, messages,

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from k3.data.image_processor import ImageProcessor
 from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES, RequestGate
+from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, ChatTemplateKwargs
 from k3.serve.api.routes import ServingContext, router
@@ -51,8 +52,9 @@ def chat_template_defaults(kwargs: dict | None) -> ChatTemplateKwargs | None:
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              default_chat_template_kwargs: dict | None = None) -> FastAPI:
-    """default_chat_template_kwargs: used by chat requests that send no chat_template_kwargs."""
+              default_chat_template_kwargs: dict | None = None, media_fetch: FetchPolicy | None = None) -> FastAPI:
+    """default_chat_template_kwargs: used by chat requests that send no chat_template_kwargs;
+    media_fetch: the policy under which http(s) image URLs are fetched (None: they are refused)."""
     chat_defaults = chat_template_defaults(default_chat_template_kwargs)
 
     @asynccontextmanager
@@ -70,7 +72,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
     vision = engine.engine.vision
     images = None if vision is None else ImageProcessor.from_vision_config(vision.config.vision_config)
     app.state.ctx = ServingContext(engine, tokenizer, chat, model_name, Metrics(engine.engine), int(time.time()),
-                                   images, chat_defaults)
+                                   images, chat_defaults, media_fetch)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
