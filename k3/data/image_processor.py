@@ -45,7 +45,7 @@ Where we differ from the official processor, each switchable:
   square the side limit describes), videos whose per-frame budget would fall under `min_patches`
   or (when set) longer than `max_frames`, zero-size images, empty videos, frames of differing
   sizes, modes outside `READABLE_MODES` (16/32-bit, float, LAB, HSV); non-PIL input: `TypeError`.
-Frame sampling (the official `sample_fps`) is the caller's: a video here is the frames to encode.
+Frame sampling (the official `sample_fps`) is k3.data.video's: a video here is the frames to encode.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ class ImageProcessor:
         self.fill_stage = fill_stage
         self.strict_budget = strict_budget
         self.pad_last_clip = pad_last_clip
-        self.sample_fps = sample_fps  # kept for reference: frames are sampled by the caller
+        self.sample_fps = sample_fps  # read by k3.data.video, which samples a video's frames
 
     @classmethod
     def from_media_proc_cfg(cls, cfg: dict, **overrides) -> ImageProcessor:

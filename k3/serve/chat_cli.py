@@ -4,7 +4,9 @@ A model that was not chat-tuned (a `k3 train` run is pretraining) does not answe
 the conversation's text: `k3 chat` says so once at the start rather than let the replies puzzle.
 With a vision model, `/image PATH` attaches a PNG or JPEG to the next message, before its text:
 the request a client sends with an `image_url` part and then a `text` part (what a
-`k3 train --config k3-tiny-vl` run learns, docs/VISION.md).
+`k3 train --config k3-tiny-vl` run learns, docs/VISION.md). `/video PATH` attaches a video (MP4
+and the like with the `video` extra; animated GIF, WebP, PNG) as the server takes a `video_url`
+part: frames sampled at the processor's rate, each 4-frame clip after its start time.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ NOT_CHAT_TUNED = ("note: {name} has not been chat-tuned (its tokenizer_config.js
                   "      its replies are plain continuations of the conversation's text, not answers.\n"
                   "      A chat model comes from supervised fine-tuning on conversations: k3 sft --run RUN_DIR")
 IMAGE_COMMAND = "/image"
+VIDEO_COMMAND = "/video"
 # what the user reads after a reply, by finish reason (the engine's own names are jargon)
 STOPPED = {"stop": "stopped: end of reply", "length": "stopped: length limit ({limit} tokens)",
            "error": "stopped: the model failed ({error})"}
@@ -52,6 +55,7 @@ def show(events) -> None:
 def run(args) -> int:
     from k3.data.image_processor import ImageProcessor
     from k3.serve.api.images import ImageError, PreparedImages, image_part_from_file, prepare_image
+    from k3.serve.api.videos import clip_parts, prepare_video, video_part_from_file
     from k3.serve.loading import load_for_serving, run_chat_defaults
     from k3.serve.sampling import SamplingParams
     from k3.text.xtml import XTML, map_reasoning_effort
@@ -70,10 +74,11 @@ def run(args) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     vision = engine.vision
     processor = None if vision is None else ImageProcessor.from_vision_config(vision.config.vision_config)
-    attached: list[tuple[dict, PreparedImages]] = []  # image parts for the next user message, processed
-    history = PreparedImages([], [], [], [])  # the conversation's images so far, processed once each
+    # content parts for the next user message, processed: an image's part, or a video's clips
+    attached: list[tuple[list[dict], PreparedImages]] = []
+    history = PreparedImages([], [], [], [])  # the conversation's images and clips so far, processed once each
     print(f"k3 chat with {name}: empty line or Ctrl-D to quit"
-          + ("; /image PATH attaches an image to your next message" if processor else ""))
+          + ("; /image PATH or /video PATH attaches one to your next message" if processor else ""))
     if not chat_tuned:
         print(NOT_CHAT_TUNED.format(name=name))
     while True:
@@ -83,25 +88,30 @@ def run(args) -> int:
             break
         if not line.strip():
             break
-        if line.split(maxsplit=1)[0] == IMAGE_COMMAND:
+        command = line.split(maxsplit=1)[0]
+        if command in (IMAGE_COMMAND, VIDEO_COMMAND):
             if processor is None:
-                print(f"[{name} has no vision tower: {IMAGE_COMMAND} needs a multimodal checkpoint]")
+                print(f"[{name} has no vision tower: {command} needs a multimodal checkpoint]")
                 continue
-            path = line[len(IMAGE_COMMAND):].strip()
+            path = line[len(command):].strip()
             try:
-                part = image_part_from_file(path)
-                attached.append((part, prepare_image(part["image_url"]["url"], path, processor)))
+                if command == IMAGE_COMMAND:
+                    part = image_part_from_file(path)
+                    attached.append(([part], prepare_image(part["image_url"]["url"], path, processor)))
+                else:
+                    clips, stamps = prepare_video(video_part_from_file(path)["video_url"]["url"], path, processor)
+                    attached.append((clip_parts(stamps), clips))
             except ImageError as e:
                 print(f"[{e}]")
                 continue
             print(f"[attached {path}: it goes with your next message]")
             continue
-        content = [*(part for part, _ in attached), {"type": "text", "text": line}] if attached else line
+        content = [*(p for parts, _ in attached for p in parts), {"type": "text", "text": line}] if attached else line
         messages.append({"role": "user", "content": content})
         for _, prepared in attached:
             history.extend(prepared)
         attached = []
-        # every image of the history, in order: earlier ones hit the prefix cache
+        # every image and clip of the history, in order: earlier ones hit the prefix cache
         media = None if processor is None else history.media(vision.config.media_placeholder_token_id)
         prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking, media=media)
         images = [] if processor is None else history.engine_inputs(prompt.media_offsets)

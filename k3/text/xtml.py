@@ -157,8 +157,9 @@ def _content_items(content, where: str, images: bool) -> list[str | None]:
             items.append(part["text"])
         elif images and kind in IMAGE_PARTS:
             items.append(None)
-        elif kind in IMAGE_PARTS:
-            raise ValueError(f"{where}: image content parts need a model with a vision tower")
+        elif kind in IMAGE_PARTS or kind == "video_url":
+            raise ValueError(f"{where}: {kind.split('_')[0]} content parts need a model with a vision tower"
+                             if not images else f"{where}: a video part must be expanded into its clips first")
         else:
             raise ValueError(f"{where}: unsupported content part {kind!r} (text{' or image_url' if images else ''})")
     return items

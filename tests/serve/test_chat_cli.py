@@ -107,7 +107,9 @@ def test_image_command_attaches_a_picture_to_the_next_message(tmp_path, capsys, 
     from k3.checkpoint.multimodal import save_pretrained_multimodal
     from k3.data.image_processor import ImageProcessor
     from tests.model.vision.test_multimodal import tiny_multimodal
-    from tests.serve.test_images import CORPUS, PLACEHOLDER, VOCAB, picture
+    from tests.serve.conftest import CORPUS, PLACEHOLDER, VOCAB
+    from tests.data.test_video import gif_bytes
+    from tests.serve.test_images import picture
 
     tokenizer = train_tokenizer(CORPUS, 330)
     model = tiny_multimodal(vocab_size=VOCAB)
@@ -117,21 +119,26 @@ def test_image_command_attaches_a_picture_to_the_next_message(tmp_path, capsys, 
     save_tokenizer(tokenizer, step)
     picture(0).save(tmp_path / "scene.png")
     (tmp_path / "notes.txt").write_text("not a picture")
+    (tmp_path / "clip.gif").write_bytes(gif_bytes(10))
     lines = [f"/image {tmp_path / 'missing.png'}", f"/image {tmp_path / 'notes.txt'}", f"/image {tmp_path / 'scene.png'}",
-             "What is shown in the picture?", "How many shapes are there?", ""]
+             "What is shown in the picture?", "How many shapes are there?", f"/video {tmp_path / 'notes.txt'}",
+             f"/video {tmp_path / 'clip.gif'}", "And in the video?", ""]
     code, out, _ = chat(capsys, monkeypatch, ["--model", str(step), "--max-tokens", "3", "--temperature", "0",
                                               "--verbose"], lines)
-    assert code == 0 and "/image PATH attaches an image" in out
+    assert code == 0 and "/image PATH or /video PATH attaches one" in out
     assert f"[{tmp_path / 'missing.png'}: No such file or directory]" in out
     assert f"[{tmp_path / 'notes.txt'}: not an image file; PNG and JPEG are accepted]" in out
     assert f"[attached {tmp_path / 'scene.png'}: it goes with your next message]" in out
     status = [line for line in out.splitlines() if line.startswith("[stopped:")]
-    assert len(status) == 2, out
+    assert len(status) == 3, out
+    assert f"[{tmp_path / 'notes.txt'}: not a video file name; accepted: .mp4" in out
     placeholders = ImageProcessor.from_vision_config(model.config.vision_config)([picture(0)]).num_placeholders[0]
-    first, second = (tuple(map(int, re.search(r"(\d+) prompt tokens, (\d+) from the prefix cache", s).groups()))
-                     for s in status)
+    first, second, third = (tuple(map(int, re.search(r"(\d+) prompt tokens, (\d+) from the prefix cache", s).groups()))
+                            for s in status)
     assert first[0] > placeholders  # prompt tokens: the image's placeholders and the text
     assert second[1] >= first[0] - 8  # the next turn reads the first (image included) from the prefix cache
+    assert third[0] > second[0] + 2 * placeholders  # two clips of the video (each at least an image's size here)
+    assert third[1] >= second[0] - 8
 
     text_step = tmp_path / "text"
     torch.manual_seed(0)
@@ -140,4 +147,4 @@ def test_image_command_attaches_a_picture_to_the_next_message(tmp_path, capsys, 
     code, out, _ = chat(capsys, monkeypatch, ["--model", str(text_step), "--max-tokens", "2"],
                         [f"/image {tmp_path / 'scene.png'}", ""])
     assert code == 0 and "has no vision tower: /image needs a multimodal checkpoint" in out
-    assert "attaches an image" not in out
+    assert "attaches one" not in out

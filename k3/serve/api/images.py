@@ -12,7 +12,7 @@ import base64
 import binascii
 import hashlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from PIL import Image
@@ -23,7 +23,6 @@ from k3.serve.api.media_fetch import FetchError, FetchPolicy, fetch
 # data: URI media types we decode, with the format the bytes must then be
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
 MAX_IMAGE_BYTES = 16 << 20  # a decoded file; the request-size gate bounds the base64 text as well
-MAX_IMAGES = 16  # per request
 
 
 class ImageError(ValueError):
@@ -36,41 +35,53 @@ class DecodedImage:
     digest: bytes  # BLAKE2b-128 of mode, size and pixels
 
 
-def decode_image_url(url: str, where: str, *, max_pixels: int, fetch_policy: FetchPolicy | None = None) -> DecodedImage:
-    """A `data:image/png;base64,...` (or jpeg) URI -> the decoded image and its pixel hash; an
-    http(s) URL is fetched only under `fetch_policy` (k3.serve.api.media_fetch)."""
+def url_bytes(url: str, where: str, *, what: str, types: dict[str, str], max_bytes: int,
+              fetch_policy: FetchPolicy | None = None) -> tuple[bytes, str | None]:
+    """The bytes a media part's URL holds, and the media type a data: URI declared (None for a
+    fetched file: its bytes say what it is). `what` ("image", "video") words the errors; `types`
+    maps the accepted data: media types to a short name."""
     if not isinstance(url, str) or not url:
-        raise ImageError(f"{where}: image_url.url must be a non-empty string")
+        raise ImageError(f"{where}: {what}_url.url must be a non-empty string")
+    inline = f"send the {what} inline as a data:{next(iter(types))};base64,... URI"
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0].lower()
         if scheme in ("http", "https") and fetch_policy is not None:
             try:
-                return decode_image_bytes(fetch(url, fetch_policy), where, max_pixels=max_pixels)
+                return fetch(url, replace(fetch_policy, max_bytes=min(max_bytes, fetch_policy.max_bytes))), None
             except FetchError as e:
                 raise ImageError(f"{where}: {e}") from None
         if scheme in ("http", "https", "ftp", "file"):
-            why = ("remote image URLs are fetched over http(s) only" if fetch_policy is not None else
-                   "remote image URLs are not fetched (fetching is off; `k3 serve --allowed-media-domains` turns it on)")
+            why = (f"remote {what} URLs are fetched over http(s) only" if fetch_policy is not None else
+                   f"remote {what} URLs are not fetched (fetching is off; `k3 serve --allowed-media-domains` "
+                   "turns it on)")
         else:
-            why = "unsupported image URL"
-        raise ImageError(f"{where}: {why}; send the image inline as a data:image/png;base64,... or "
-                         "data:image/jpeg;base64,... URI")
+            why = f"unsupported {what} URL"
+        raise ImageError(f"{where}: {why}; {inline}")
     header, comma, payload = url[5:].partition(",")
     if not comma:
         raise ImageError(f"{where}: malformed data: URI (no comma before the data)")
     media_type, *params = header.split(";")
     media_type = media_type.strip().lower()
-    if media_type not in FORMATS:
-        raise ImageError(f"{where}: unsupported image type {media_type or 'none'!r}; PNG and JPEG are accepted")
+    if media_type not in types:
+        raise ImageError(f"{where}: unsupported {what} type {media_type or 'none'!r}; accepted: "
+                         f"{', '.join(dict.fromkeys(types.values()))}")
     if "base64" not in (p.strip().lower() for p in params):
-        raise ImageError(f"{where}: the image data must be base64-encoded (data:{media_type};base64,...)")
-    if len(payload) // 4 * 3 > MAX_IMAGE_BYTES:
-        raise ImageError(f"{where}: the image is over {MAX_IMAGE_BYTES >> 20} MiB")
+        raise ImageError(f"{where}: the {what} data must be base64-encoded (data:{media_type};base64,...)")
+    if len(payload) // 4 * 3 > max_bytes:
+        raise ImageError(f"{where}: the {what} is over {max_bytes >> 20} MiB")
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True), media_type
     except (binascii.Error, ValueError):
-        raise ImageError(f"{where}: the image data is not valid base64") from None
-    return decode_image_bytes(data, where, max_pixels=max_pixels, expect=FORMATS[media_type])
+        raise ImageError(f"{where}: the {what} data is not valid base64") from None
+
+
+def decode_image_url(url: str, where: str, *, max_pixels: int, fetch_policy: FetchPolicy | None = None) -> DecodedImage:
+    """A `data:image/png;base64,...` (or jpeg) URI -> the decoded image and its pixel hash; an
+    http(s) URL is fetched only under `fetch_policy` (k3.serve.api.media_fetch)."""
+    data, media_type = url_bytes(url, where, what="image", types=FORMATS, max_bytes=MAX_IMAGE_BYTES,
+                                 fetch_policy=fetch_policy)
+    return decode_image_bytes(data, where, max_pixels=max_pixels,
+                              expect=None if media_type is None else FORMATS[media_type])
 
 
 def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str | None = None) -> DecodedImage:
@@ -115,23 +126,6 @@ def image_part_from_file(path: str | Path) -> dict:
     return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
 
 
-def image_parts(messages: list[dict]) -> list[tuple[str, str]]:
-    """(url, where) of every image part, in the order the renderer meets them."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.get("content")
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                image_url = part.get("image_url")
-                url = image_url.get("url") if isinstance(image_url, dict) else image_url
-                out.append((url, f"messages[{i}].content[{j}].image_url"))
-    if len(out) > MAX_IMAGES:
-        raise ImageError(f"messages: {len(out)} images, at most {MAX_IMAGES} per request")
-    return out
-
-
 @dataclass
 class PreparedImages:
     pixel_values: list  # per image: [L, 3, P, P]
@@ -155,15 +149,6 @@ class PreparedImages:
 
         return [ImageInput(offset, pv, grid, digest)
                 for offset, pv, grid, digest in zip(offsets, self.pixel_values, self.grid_thws, self.digests)]
-
-
-def prepare_images(messages: list[dict], processor: ImageProcessor,
-                   fetch_policy: FetchPolicy | None = None) -> PreparedImages:
-    """Decode, check and process every image part of the messages (one grid row per image)."""
-    out = PreparedImages([], [], [], [])
-    for url, where in image_parts(messages):
-        out.extend(prepare_image(url, where, processor, fetch_policy))
-    return out
 
 
 def prepare_image(url: str, where: str, processor: ImageProcessor,

@@ -202,7 +202,16 @@ class ImagePart(_Request):
     image_url: ImageURL
 
 
-Content = str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+class VideoURL(_Request):
+    url: str  # a data:video/mp4;base64,... (or webm, animated gif/webp/png) URI (k3/serve/api/videos.py)
+
+
+class VideoPart(_Request):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+Content = str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]]
 TextContent = str | list[TextPart]  # what an assistant message may hold
 
 

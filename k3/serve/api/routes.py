@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
 from k3.data.image_processor import ImageProcessor
-from k3.serve.api.images import prepare_images
+from k3.serve.api.media import prepare_media
 from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest,
@@ -344,16 +344,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
         media, images = None, []
-        if ctx.images is not None:  # decoded off the event loop: a large image takes a while
-            prepared = await asyncio.to_thread(prepare_images, messages, ctx.images, ctx.media_fetch)
-            media = prepared.media(ctx.engine.engine.vision.config.media_placeholder_token_id)
+        if ctx.images is not None:  # decoded off the event loop: a large image or a video takes a while
+            prepared = await asyncio.to_thread(prepare_media, messages, ctx.images, ctx.media_fetch)
+            messages = prepared.messages  # video parts expanded into timestamped clips
+            media = prepared.images.media(ctx.engine.engine.vision.config.media_placeholder_token_id)
         rendered = await asyncio.to_thread(
             ctx.chat.render, messages,
             tools=tools if use_tools else None, reasoning_effort=body.reasoning_effort,
             thinking=body.thinking(ctx.chat_defaults),
             tool_choice=tool_choice if use_tools else None, media=media)
         if ctx.images is not None:
-            images = prepared.engine_inputs(rendered.media_offsets)
+            images = prepared.images.engine_inputs(rendered.media_offsets)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None

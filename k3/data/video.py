@@ -1,0 +1,149 @@
+"""Videos to the frames the vision tower sees (SPEC §7): decoding, the official frame sampling at
+`sample_fps`, and the clips with their timestamp prompts.
+
+The official rule, as Kimi-K2.5's processor (`KimiK25VisionProcessor.split_video_chunks` and
+`media_utils.py` in the K2.5 repository; vLLM's Kimi ports call it for every video) writes it:
+- fps' = min(sample_fps, the source's average fps); n = max(round(N * fps' / fps), 1) frames, at
+  most `max_frames` (`max_num_frames_each_video`) when set;
+- frame indices linspace(0, N - 1, n), rounded: the whole video, evenly;
+- clips of `temporal_merge_kernel_size` consecutive sampled frames, each prompted by the time of
+  its first frame, index / fps, as "HH:MM:SS.mmm" (`timestamp_as_str`, mode "hh:mm:ss.fff"),
+  written just before the clip's placeholders; each clip is processed as a media item of its own.
+K3 ships `sample_fps` 8 (docs/VISION.md, "Image processor"); its timestamp mode is not published:
+K2.5's default is taken.
+
+Decoding: Pillow for animated GIF, WebP and PNG (a frame's time is the sum of the durations
+before it); PyAV (the `video` extra: `pip install 'k3[video]'`) for MP4, WebM, MKV and MOV. Every
+frame is decoded (inter-coded formats need their predecessors) but only the sampled ones are
+kept, and a source over `max_source_frames` frames or `max_pixels` pixels a frame is refused
+before its pixels are converted."""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+from PIL import Image
+
+DEFAULT_FRAME_MS = 100  # a GIF frame without a duration: what browsers show
+MAX_SOURCE_FRAMES = 10_000
+PILLOW_FORMATS = ("GIF", "WEBP", "PNG")
+
+
+class VideoError(ValueError):
+    """A video that cannot be decoded or is over a limit (one line)."""
+
+
+@dataclass
+class SampledVideo:
+    frames: list[Image.Image]  # the sampled frames, RGB
+    indices: list[int]  # their frame numbers in the source
+    fps: float  # the source's average frame rate
+    source_frames: int
+
+    def clips(self, frames_per_clip: int) -> list[tuple[str, list[Image.Image]]]:
+        """(timestamp prompt, frames) per clip of `frames_per_clip` sampled frames."""
+        return [(timestamp_text(self.indices[i] / self.fps), self.frames[i:i + frames_per_clip])
+                for i in range(0, len(self.frames), frames_per_clip)]
+
+
+def sample_indices(num_frames: int, fps: float, sample_fps: float | None, max_frames: int | None = None) -> list[int]:
+    """The official choice of frames (module docstring); `sample_fps` None keeps every frame."""
+    if num_frames < 1:
+        raise VideoError("the video has no frames")
+    if not fps > 0:
+        raise VideoError(f"the video's frame rate is {fps}")
+    rate = fps if sample_fps is None else min(sample_fps, fps)
+    n = max(round(num_frames * rate / fps), 1)
+    if max_frames is not None:
+        n = min(n, max_frames)
+    if n == 1:
+        return [0]
+    step = (num_frames - 1) / (n - 1)  # numpy's linspace: i * step, the last one exactly the end; then round
+    return [round(i * step) for i in range(n - 1)] + [num_frames - 1]
+
+
+def timestamp_text(seconds: float) -> str:
+    """"HH:MM:SS.mmm" as the official `timestamp_as_str` writes it (milliseconds truncated)."""
+    whole = int(seconds)
+    return f"{whole // 3600:02d}:{whole % 3600 // 60:02d}:{whole % 60:02d}.{int((seconds % 1) * 1000):03d}"
+
+
+def decode_video(data: bytes, *, sample_fps: float | None, max_frames: int | None = None, max_pixels: int,
+                 max_source_frames: int = MAX_SOURCE_FRAMES) -> SampledVideo:
+    """Encoded video bytes -> the sampled frames; VideoError in one line for anything wrong."""
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (OSError, ValueError, Image.DecompressionBombError):
+        image = None
+    if image is not None and image.format in PILLOW_FORMATS:
+        return _decode_pillow(image, sample_fps, max_frames, max_pixels, max_source_frames)
+    return _decode_av(data, sample_fps, max_frames, max_pixels, max_source_frames)
+
+
+def _check_size(width: int, height: int, max_pixels: int) -> None:
+    if width < 1 or height < 1:
+        raise VideoError(f"the video could not be decoded (its frames are {width}x{height})")
+    if width * height > max_pixels:
+        raise VideoError(f"the video's frames are {width} x {height} pixels, over the limit of {max_pixels:,}")
+
+
+def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_source_frames) -> SampledVideo:
+    _check_size(image.width, image.height, max_pixels)
+    n = getattr(image, "n_frames", 1)
+    if n > max_source_frames:
+        raise VideoError(f"the video has {n:,} frames, over the limit of {max_source_frames:,}")
+    try:
+        ms = 0  # whole milliseconds, as the formats store them: no float drift in fps
+        for i in range(n):
+            image.seek(i)
+            ms += int(image.info.get("duration") or 0) or DEFAULT_FRAME_MS
+        fps = n * 1000 / ms
+        indices = sample_indices(n, fps, sample_fps, max_frames)
+        frames = []
+        for i in indices:
+            image.seek(i)
+            frames.append(image.convert("RGB"))
+    except (OSError, ValueError, EOFError) as e:
+        raise VideoError(f"the video could not be decoded ({type(e).__name__}: {e})") from None
+    return SampledVideo(frames, indices, fps, n)
+
+
+def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frames) -> SampledVideo:
+    try:
+        import av
+    except ImportError:
+        raise VideoError("this is not an animated GIF, WebP or PNG; other video formats (MP4, WebM, ...) need "
+                         "PyAV: pip install 'k3[video]'") from None
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise VideoError("the file has no video stream")
+            stream = container.streams.video[0]
+            _check_size(stream.codec_context.width, stream.codec_context.height, max_pixels)
+            # frames are counted by their packets (no decoding) so that sampling knows N first
+            n = sum(1 for packet in container.demux(stream) if packet.size)
+            if n > max_source_frames:
+                raise VideoError(f"the video has {n:,} frames, over the limit of {max_source_frames:,}")
+            rate = stream.average_rate or stream.guessed_rate
+            if rate is None and stream.duration and stream.time_base:
+                rate = n / float(stream.duration * stream.time_base)
+            fps = float(rate) if rate else 0.0
+            indices = sample_indices(n, fps, sample_fps, max_frames)
+            wanted, frames = set(indices), {}
+            container.seek(0)
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    frames[i] = frame.to_image().convert("RGB")
+                if i >= indices[-1]:
+                    break
+    except VideoError:
+        raise
+    except (av.FFmpegError, OSError, ValueError, EOFError) as e:
+        raise VideoError(f"the video could not be decoded ({type(e).__name__}: {e})") from None
+    missing = [i for i in indices if i not in frames]
+    if missing:  # fewer frames decoded than packets counted: keep what exists, in order
+        if not frames:
+            raise VideoError("the video could not be decoded (no frame decoded)")
+        indices = sorted(frames)
+    return SampledVideo([frames[i] for i in indices], indices, fps, n)
+

@@ -1,0 +1,77 @@
+"""Videos in chat requests: `video_url` content parts (vLLM's form), decoded and sampled at the
+processor's `sample_fps` (k3.data.video), then one tower input per clip of
+`temporal_merge_kernel_size` frames, each prompted by its start time (docs/SERVING.md "Videos").
+
+Accepted: `data:` URIs of video/mp4, video/webm, video/quicktime, video/x-matroska (these need
+PyAV, the `video` extra) and animated image/gif, image/webp, image/png; http(s) URLs only under the
+server's fetch policy (k3.serve.api.media_fetch), like images. Each clip's cache key hashes its
+frames' pixels, so the same video hits and another never shares pages."""
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+
+from k3.data.image_processor import ImageProcessor
+from k3.data.video import VideoError, decode_video
+from k3.serve.api.images import ImageError, PreparedImages, url_bytes
+from k3.serve.api.media_fetch import FetchPolicy
+
+VIDEO_TYPES = {"video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV", "video/x-matroska": "MKV",
+               "image/gif": "GIF", "image/webp": "WebP", "image/png": "PNG (animated)", "image/apng": "PNG (animated)"}
+MAX_VIDEO_BYTES = 64 << 20
+# a file's media type for `k3 chat`'s /video, by its suffix (the decoder reads the bytes either way)
+SUFFIX_TYPES = {".mp4": "video/mp4", ".m4v": "video/mp4", ".webm": "video/webm", ".mov": "video/quicktime",
+                ".mkv": "video/x-matroska", ".gif": "image/gif", ".webp": "image/webp", ".png": "image/png",
+                ".apng": "image/apng"}
+DEFAULT_MAX_FRAMES = 256  # sampled frames a video (64 clips); K3's max_num_frames_each_video is not published
+
+
+def prepare_video(url: str, where: str, processor: ImageProcessor,
+                  fetch_policy: FetchPolicy | None = None) -> tuple[PreparedImages, list[str]]:
+    """One video part: its clips as tower inputs (one grid row each) and each clip's timestamp
+    prompt; ImageError naming `where`."""
+    data, _ = url_bytes(url, where, what="video", types=VIDEO_TYPES, max_bytes=MAX_VIDEO_BYTES,
+                        fetch_policy=fetch_policy)
+    max_frames = processor.max_frames if processor.max_frames is not None else DEFAULT_MAX_FRAMES
+    try:
+        video = decode_video(data, sample_fps=processor.sample_fps, max_frames=max_frames,
+                             max_pixels=processor.max_pixels)
+    except VideoError as e:
+        raise ImageError(f"{where}: {e}") from None
+    out, stamps = PreparedImages([], [], [], []), []
+    for stamp, frames in video.clips(processor.temporal_pool):
+        try:
+            inputs = processor([frames])
+        except ValueError as e:
+            raise ImageError(f"{where}: {e}") from None
+        h = hashlib.blake2b(digest_size=16)
+        for frame in frames:
+            h.update(f"{frame.mode}:{frame.width}x{frame.height}:".encode())
+            h.update(frame.tobytes())
+        out.extend(PreparedImages([inputs.pixel_values], [tuple(int(x) for x in inputs.grid_thws[0])], [h.digest()],
+                                  [int(inputs.num_placeholders[0])]))
+        stamps.append(stamp)
+    return out, stamps
+
+
+def video_part_from_file(path: str | Path) -> dict:
+    """A video file as the `video_url` content part a client would send (a data: URI) for
+    `k3 chat`'s /video; ImageError naming the file."""
+    path = Path(path).expanduser()
+    media_type = SUFFIX_TYPES.get(path.suffix.lower())
+    if media_type is None:
+        raise ImageError(f"{path}: not a video file name; accepted: {', '.join(SUFFIX_TYPES)}")
+    try:
+        if path.stat().st_size > MAX_VIDEO_BYTES:
+            raise ImageError(f"{path}: the video is over {MAX_VIDEO_BYTES >> 20} MiB")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"{path}: {e.strerror or e}") from None
+    return {"type": "video_url", "video_url": {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
+
+
+def clip_parts(stamps: list[str]) -> list[dict]:
+    """What a video part becomes in the messages the renderer takes: per clip, its timestamp text
+    and an image slot the clip's placeholders fill."""
+    return [part for stamp in stamps for part in ({"type": "text", "text": stamp}, {"type": "image"})]
