@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,17 +61,24 @@ STEP_KINDS = ("packed", "decode_eager", "decode_graph_capture", "decode_graph_re
 
 @dataclass
 class _RequestMedia:
-    spans: tuple  # MediaSpan per image
-    pixel_values: torch.Tensor
+    spans: tuple  # MediaSpan per image (or video clip)
+    pixel_values: torch.Tensor  # every image's patches, packed in order
     grid_thws: torch.Tensor
-    _rows: list[torch.Tensor] | None = None
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> its rows, once encoded
 
-    def rows(self, vision, device) -> list[torch.Tensor]:
-        """Each image's rows [length, D], encoded on first use."""
-        if self._rows is None:
-            features = vision.image_features(self.pixel_values.to(device), self.grid_thws.to(device))
-            self._rows = list(features.split([s.length for s in self.spans]))
-        return self._rows
+    def rows(self, vision, device, wanted: list[int], counts: Counter) -> dict[int, torch.Tensor]:
+        """Rows [length, D] of the `wanted` images, the ones not yet encoded in one packed tower
+        call. An image a chunk never covers (a prefix-cache hit) is never encoded."""
+        todo = [i for i in wanted if i not in self._rows]
+        if todo:
+            sizes = self.grid_thws.prod(-1).tolist()
+            starts = [0, *itertools.accumulate(sizes)]
+            patches = torch.cat([self.pixel_values[starts[i]:starts[i + 1]] for i in todo])
+            features = vision.image_features(patches.to(device), self.grid_thws[todo].to(device))
+            self._rows.update(zip(todo, features.split([self.spans[i].length for i in todo])))
+            counts["images"] += len(todo)
+            counts["patches"] += sum(sizes[i] for i in todo)
+        return {i: self._rows[i] for i in wanted}
 
 
 class ModelRunner:
@@ -79,9 +86,10 @@ class ModelRunner:
                  cuda_graphs: bool = True, speculator: Speculator | None = None, vision=None):
         self.model = model
         # a K3ForConditionalGeneration around `model`: it encodes the images of requests that have
-        # some (add_media), once per request, and their rows replace the placeholders' embeddings
+        # some (add_media), each once, and their rows replace the placeholders' embeddings
         self.vision = vision
         self._media: dict[str, _RequestMedia] = {}
+        self.encoder_counts: Counter[str] = Counter()  # images (and clips) encoded, and their patches
         # speculative decoding: every forward verifies drafts and gives the draft its representations
         # (on the decode slots when all requests decode, else packed); counts of drafted / accepted
         # tokens and verified sequences
@@ -117,8 +125,9 @@ class ModelRunner:
 
     def add_media(self, request_id: str, spans, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> None:
         """A request's images (k3.serve.request.MediaSpan per image, its packed patches and grids),
-        encoded when its first placeholder is computed and kept until it finishes (a preempted
-        request recomputes its prompt without encoding again)."""
+        each encoded when a chunk first covers its placeholders (never, when the prefix cache
+        holds them all) and kept until the request finishes (a preempted request recomputes its
+        prompt without encoding again)."""
         self._media[request_id] = _RequestMedia(tuple(spans), pixel_values, grid_thws)
 
     def _media_positions(self, requests: list[ScheduledRequest]) -> dict[int, list[tuple[int, torch.Tensor]]]:
@@ -129,9 +138,14 @@ class ModelRunner:
             if media is None:
                 continue
             lo, hi = r.num_computed, r.num_computed + len(r.token_ids)
-            for span, rows in zip(media.spans, media.rows(self.vision, self.device)):
+            covered = [i for i, span in enumerate(media.spans) if span.offset < hi and lo < span.offset + span.length]
+            if not covered:
+                continue
+            rows = media.rows(self.vision, self.device, covered, self.encoder_counts)
+            for i in covered:
+                span = media.spans[i]
                 for p in range(max(lo, span.offset), min(hi, span.offset + span.length)):
-                    out.setdefault(n, []).append((p - lo, rows[p - span.offset]))
+                    out.setdefault(n, []).append((p - lo, rows[i][p - span.offset]))
         return out
 
     def _embed(self, ids: torch.Tensor, starts: list[int], media: dict[int, list[tuple[int, torch.Tensor]]]):

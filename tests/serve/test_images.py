@@ -157,3 +157,29 @@ def test_engine_output_equals_the_model_whole_or_chunked(vl_model):
         engine.add_request(prompt, SamplingParams(max_tokens=1), images=[ImageInput(2, pv, grid, b"one")])
     with pytest.raises(ValueError, match="image placeholder tokens"):
         engine.add_request(prompt, SamplingParams(max_tokens=1))
+
+
+def test_the_tower_runs_only_for_images_a_chunk_covers(vl_model):
+    """Each image is encoded when a prefill chunk first covers its placeholders, in one tower call
+    for all a chunk covers; images inside a prefix-cache hit are never encoded; the output is the
+    same either way."""
+    from tests.model.vision.helpers import pixels
+
+    grids = [(1, 4, 6), (1, 2, 4)]  # 6 and 2 placeholders
+    pv, _ = pixels(grids, vl_model.config.vision_config.patch_size, seed=2)
+    first, second = pv[:24], pv[24:]
+    prompt = [5, 6] + [PLACEHOLDER] * 6 + [7, 8, 9, 10] + [PLACEHOLDER] * 2 + [11] * 10
+    images = [ImageInput(2, first, grids[0], b"one"), ImageInput(12, second, grids[1], b"two")]
+    engine = LLMEngine(vl_model, EngineConfig(block_size=4, hash_block_size=4, max_num_batched_tokens=8))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    request = engine.add_request(prompt, params, images=images)
+    engine.step()  # tokens 0-7: the first image only
+    assert engine.runner.encoder_counts == {"images": 1, "patches": 24}
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.runner.encoder_counts == {"images": 2, "patches": 32}
+    again = engine.add_request(prompt, params, images=images)
+    while engine.has_unfinished:
+        engine.step()
+    assert again.num_cached_tokens >= 20 and engine.runner.encoder_counts["images"] == 2  # both images were hits
+    assert again.output_token_ids == request.output_token_ids

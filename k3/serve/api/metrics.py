@@ -41,6 +41,11 @@ class _EngineCollector:
         for kind in STEP_KINDS:
             steps.add_metric([kind], e.runner.step_counts[kind])
         yield steps
+        if e.vision is not None:
+            yield CounterMetricFamily("k3_encoder_images", "Images and video clips run through the vision tower "
+                                      "(a prefix-cache hit over one skips it)", value=e.runner.encoder_counts["images"])
+            yield CounterMetricFamily("k3_encoder_patches", "Patches run through the vision tower",
+                                      value=e.runner.encoder_counts["patches"])
         yield CounterMetricFamily("k3_runner_slot_fills", "Decode steps that refilled the decode slots from pages "
                                   "(the batch changed)", value=e.runner.slot_fills)
         if e.runner.speculator is not None:
