@@ -27,6 +27,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mb", type=int, default=d.cache_bytes >> 20, help="page pool size")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per-step budget")
+    p.add_argument("--max-num-encoder-tokens", type=int, default=None, metavar="N",
+                   help="per-step budget of image placeholders whose encoding a step may start (vision models; "
+                        "default: --max-num-batched-tokens)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue bound (beyond it: HTTP 429)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -75,7 +78,8 @@ def build_engine(model, args) -> LLMEngine:
 def engine_config(args) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, hash_block_size=args.hash_block_size,
                         cache_bytes=args.cache_mb << 20, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_encoder_tokens=args.max_num_encoder_tokens, max_model_len=args.max_model_len,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         cuda_graphs=not args.no_cuda_graphs, compile="inductor" if args.compile else None,
                         seed=args.seed, num_speculative_tokens=0 if args.draft is None

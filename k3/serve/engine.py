@@ -69,6 +69,8 @@ class EngineConfig:
     cache_bytes: int = 64 << 20  # size of the page pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256  # per-step token budget (chunked prefill)
+    # per-step budget of image placeholders whose encoding a step may start (None: max_num_batched_tokens)
+    max_num_encoder_tokens: int | None = None
     max_model_len: int = 4096
     max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
     enable_prefix_caching: bool = True
@@ -150,7 +152,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=min(config.max_model_len, model.config.max_position_embeddings),
-                                   max_waiting=config.max_waiting, num_speculative_tokens=k)
+                                   max_waiting=config.max_waiting, num_speculative_tokens=k,
+                                   max_num_encoder_tokens=config.max_num_encoder_tokens)
         self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs,
                                   speculator=speculator, vision=self.vision)
         self.eos_token_id = model.config.eos_token_id

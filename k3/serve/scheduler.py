@@ -7,6 +7,12 @@ and none are free, the most recently admitted request is preempted: its pages ar
 goes back to the front of the waiting queue with zero computed tokens, to be recomputed later
 (outputs are kept, so the result is the same, never wrong). Waiting requests are admitted only
 in a step without preemption, while there is budget and a slot.
+
+A vision model's prefill chunks also share an encoder budget per step (vLLM's
+`max_num_encoder_input_tokens`), counted in the placeholders of the images and video clips a
+chunk starts to cover, the tower's new work: a chunk stops before the first image that would pass
+it, except that each step may always start one image (progress), so a long image prompt cannot
+stall the decoding requests of its step behind a wall of tower calls.
 """
 from __future__ import annotations
 
@@ -55,9 +61,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: CacheManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: int = 4096, max_waiting: int = 1024, num_speculative_tokens: int = 0):
+                 max_model_len: int = 4096, max_waiting: int = 1024, num_speculative_tokens: int = 0,
+                 max_num_encoder_tokens: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_waiting < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
+        if max_num_encoder_tokens is not None and max_num_encoder_tokens < 1:
+            raise ValueError(f"max_num_encoder_tokens must be >= 1, got {max_num_encoder_tokens}")
+        # image placeholders whose encoding a step may start (None: max_num_batched_tokens)
+        self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -104,10 +115,27 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
-    def _chunk(self, request: Request, start: int, budget: int) -> int:
+    def _chunk(self, request: Request, start: int, budget: int, enc: list[int] | None = None,
+               admitting: bool = False) -> int:
+        """Tokens of `request` to compute from `start`: within the step's token `budget`, up to its
+        next KDA checkpoint, and (with `enc`, the step's encoder budget left, [n] updated in place)
+        stopping before an image whose encoding would pass that budget."""
         n = min(request.num_tokens - start, budget)
         upcoming = [c for c in request.checkpoints if c > start]
-        return min(n, upcoming[0] - start) if upcoming else n
+        n = min(n, upcoming[0] - start) if upcoming else n
+        if enc is None or not request.media:
+            return n
+        for span in request.media:
+            # new tower work: an image whose placeholders this chunk reaches for the first time (the
+            # one a prefix hit ends inside counts too: its cached part was never encoded here)
+            if span.offset + span.length <= start or span.offset >= start + n:
+                continue
+            if span.offset < start and not admitting:
+                continue  # an earlier chunk of this computation covered it
+            if span.length > enc[0] and enc[0] < self.max_num_encoder_tokens:  # one image per step always fits
+                return max(0, min(n, span.offset - start))
+            enc[0] -= span.length
+        return n
 
     def _drafts(self, request: Request, budget: int) -> int:
         """How many tokens a decoding request may draft this step: up to k, within its max_tokens,
@@ -146,10 +174,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        enc = [self.max_num_encoder_tokens]  # placeholders of images this step may start to encode
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._chunk(request, request.num_computed_tokens, budget)
+            n = self._chunk(request, request.num_computed_tokens, budget, enc)
+            if n == 0:  # its next image waits for a step with encoder budget
+                i += 1
+                continue
             drafts = self._drafts(request, budget)
             while not self.cache.grow(request, n + drafts):
                 victim = self.running.pop()  # the most recently admitted
@@ -167,8 +199,8 @@ class Scheduler:
             request = self.waiting[0]
             hit = self.cache.lookup(request)
             request.checkpoints = self.cache.checkpoint_positions(request, hit, request.boundaries)
-            n = self._chunk(request, hit.length, budget)
-            if not self.cache.admit(request, hit, n, out.plan):
+            n = self._chunk(request, hit.length, budget, enc, admitting=True)
+            if n == 0 or not self.cache.admit(request, hit, n, out.plan):
                 request.checkpoints = []
                 break
             self.waiting.popleft()

@@ -183,3 +183,35 @@ def test_the_tower_runs_only_for_images_a_chunk_covers(vl_model):
         engine.step()
     assert again.num_cached_tokens >= 20 and engine.runner.encoder_counts["images"] == 2  # both images were hits
     assert again.output_token_ids == request.output_token_ids
+
+
+def test_the_encoder_budget_spreads_tower_work_over_steps(vl_model):
+    """`max_num_encoder_tokens`: a step starts encoding images of at most that many placeholders
+    (always one, for progress): chunks stop before the next image instead; outputs are unchanged."""
+    from tests.model.vision.helpers import pixels
+
+    grids = [(1, 4, 6), (1, 4, 6)]  # 6 placeholders each
+    pv, _ = pixels(grids, vl_model.config.vision_config.patch_size, seed=3)
+    prompt = [5, 6] + [PLACEHOLDER] * 6 + [7, 8] + [PLACEHOLDER] * 6 + [9, 10]
+    images = [ImageInput(2, pv[:24], grids[0], b"a"), ImageInput(10, pv[24:], grids[1], b"b")]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def run(encoder_budget):
+        engine = LLMEngine(vl_model, EngineConfig(block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                                                  max_num_encoder_tokens=encoder_budget))
+        requests = [engine.add_request(prompt, params, images=images), engine.add_request([4] * 3 + prompt, params,
+                    images=[ImageInput(i.offset + 3, i.pixel_values, i.grid_thw, i.digest) for i in images])]
+        per_step = []
+        while engine.has_unfinished:
+            before = engine.runner.encoder_counts["images"]
+            engine.step()
+            per_step.append(engine.runner.encoder_counts["images"] - before)
+        return [r.output_token_ids for r in requests], per_step
+
+    free, free_steps = run(None)
+    capped, capped_steps = run(6)
+    assert free_steps[0] == 4  # both requests' prompts, whole, in the first step
+    assert capped_steps[:4] == [1, 1, 1, 1] and sum(capped_steps) == 4  # one image a step
+    assert capped == free
+    with pytest.raises(ValueError, match="max_num_encoder_tokens must be >= 1"):
+        LLMEngine(vl_model, EngineConfig(max_num_encoder_tokens=0))
