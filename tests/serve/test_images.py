@@ -111,14 +111,18 @@ def test_an_image_url_is_fetched_when_the_server_allows_its_host(server):
     (None, "over the limit"),  # 300 x 300 pixels against the test server's 200 x 200 limit
 ])
 def test_bad_images_get_a_400_with_a_clear_message(server, url, message):
-    s, _ = server
-    url = url or data_uri(picture(3, size=(300, 300)))
-    r = httpx.post(s.url + "/v1/chat/completions", json={"model": "k3-tiny-vl", "messages": ask(url), "max_tokens": 2},
+    error = bad_request(server[0], ask(url or data_uri(picture(3, size=(300, 300)))))
+    assert message in error["message"] and "image_url" in error["message"]  # names the part
+
+
+def bad_request(s, messages: list[dict]) -> dict:
+    """The error object of a chat request the server must refuse with a 400."""
+    r = httpx.post(s.url + "/v1/chat/completions", json={"model": "k3-tiny-vl", "messages": messages, "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert message in error["message"] and error["type"] == "invalid_request_error"
-    assert "image_url" in error["message"]  # names the part
+    assert error["type"] == "invalid_request_error"
+    return error
 
 
 def test_a_text_model_refuses_images_with_a_400(tokenizer):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 
-import httpx
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from k3.serve.api.media import prepare_media
 from k3.text.xtml import XTML
 from tests.data.test_video import gif_bytes, mp4_bytes
 from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
-from tests.serve.test_images import client
+from tests.serve.test_images import bad_request, client
 
 
 def video_uri(data: bytes, media_type: str = "image/gif") -> str:
@@ -88,10 +87,5 @@ def test_an_mp4_is_served(server):
 ])
 def test_bad_videos_get_a_400_naming_the_part(server, url, message):
     pytest.importorskip("av")
-    s, _ = server
-    url = url or video_uri(gif_bytes(4, size=(300, 300)))
-    r = httpx.post(s.url + "/v1/chat/completions", json={"model": "k3-tiny-vl", "messages": ask(url), "max_tokens": 2},
-                   timeout=60)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
+    error = bad_request(server[0], ask(url or video_uri(gif_bytes(4, size=(300, 300)))))
     assert message in error["message"] and "messages[0].content[0].video_url" in error["message"]

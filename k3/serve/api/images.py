@@ -106,16 +106,21 @@ def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str 
     return DecodedImage(image, h.digest())
 
 
+def read_media_file(path: Path, what: str, max_bytes: int) -> bytes:
+    """A local file's bytes for `k3 chat`'s /image and /video; ImageError naming the file."""
+    try:
+        if path.stat().st_size > max_bytes:
+            raise ImageError(f"{path}: the {what} is over {max_bytes >> 20} MiB")
+        return path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"{path}: {e.strerror or e}") from None
+
+
 def image_part_from_file(path: str | Path) -> dict:
     """A PNG or JPEG file as the `image_url` content part a client would send (a data: URI) for
     `k3 chat`'s /image; ImageError naming the file. Its pixels are checked by `prepare_image`."""
     path = Path(path).expanduser()
-    try:
-        if path.stat().st_size > MAX_IMAGE_BYTES:
-            raise ImageError(f"{path}: the image is over {MAX_IMAGE_BYTES >> 20} MiB")
-        data = path.read_bytes()
-    except OSError as e:
-        raise ImageError(f"{path}: {e.strerror or e}") from None
+    data = read_media_file(path, "image", MAX_IMAGE_BYTES)
     try:
         fmt = Image.open(io.BytesIO(data)).format
     except (OSError, ValueError):

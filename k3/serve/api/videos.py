@@ -14,7 +14,7 @@ from pathlib import Path
 
 from k3.data.image_processor import ImageProcessor
 from k3.data.video import VideoError, decode_video
-from k3.serve.api.images import ImageError, PreparedImages, url_bytes
+from k3.serve.api.images import ImageError, PreparedImages, read_media_file, url_bytes
 from k3.serve.api.media_fetch import FetchPolicy
 
 VIDEO_TYPES = {"video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV", "video/x-matroska": "MKV",
@@ -62,12 +62,7 @@ def video_part_from_file(path: str | Path) -> dict:
     media_type = SUFFIX_TYPES.get(path.suffix.lower())
     if media_type is None:
         raise ImageError(f"{path}: not a video file name; accepted: {', '.join(SUFFIX_TYPES)}")
-    try:
-        if path.stat().st_size > MAX_VIDEO_BYTES:
-            raise ImageError(f"{path}: the video is over {MAX_VIDEO_BYTES >> 20} MiB")
-        data = path.read_bytes()
-    except OSError as e:
-        raise ImageError(f"{path}: {e.strerror or e}") from None
+    data = read_media_file(path, "video", MAX_VIDEO_BYTES)
     return {"type": "video_url", "video_url": {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
 
 
