@@ -16,16 +16,19 @@ Decoding: Pillow for animated GIF, WebP and PNG (a frame's time is the sum of th
 before it); PyAV (the `video` extra: `pip install 'k3[video]'`) for MP4, WebM, MKV and MOV. Every
 frame is decoded (inter-coded formats need their predecessors) but only the sampled ones are
 kept, and a source over `max_source_frames` frames or `max_pixels` pixels a frame is refused
-before its pixels are converted."""
+before its pixels are converted; decoding stops with an error past `max_seconds` (a long,
+high-resolution file fits the byte limit and would hold a server's worker for minutes)."""
 from __future__ import annotations
 
 import io
+import time
 from dataclasses import dataclass
 
 from PIL import Image
 
 DEFAULT_FRAME_MS = 100  # a GIF frame without a duration: what browsers show
 MAX_SOURCE_FRAMES = 10_000
+MAX_DECODE_SECONDS = 60.0  # a long high-resolution file must not hold a server's worker for minutes
 PILLOW_FORMATS = ("GIF", "WEBP", "PNG")
 
 
@@ -69,15 +72,26 @@ def timestamp_text(seconds: float) -> str:
 
 
 def decode_video(data: bytes, *, sample_fps: float | None, max_frames: int | None = None, max_pixels: int,
-                 max_source_frames: int = MAX_SOURCE_FRAMES) -> SampledVideo:
-    """Encoded video bytes -> the sampled frames; VideoError in one line for anything wrong."""
+                 max_source_frames: int = MAX_SOURCE_FRAMES, max_seconds: float = MAX_DECODE_SECONDS) -> SampledVideo:
+    """Encoded video bytes -> the sampled frames; VideoError in one line for anything wrong,
+    including decoding that takes longer than `max_seconds`."""
+    deadline = _Deadline(max_seconds)
     try:
         image = Image.open(io.BytesIO(data))
     except (OSError, ValueError, Image.DecompressionBombError):
         image = None
     if image is not None and image.format in PILLOW_FORMATS:
-        return _decode_pillow(image, sample_fps, max_frames, max_pixels, max_source_frames)
-    return _decode_av(data, sample_fps, max_frames, max_pixels, max_source_frames)
+        return _decode_pillow(image, sample_fps, max_frames, max_pixels, max_source_frames, deadline)
+    return _decode_av(data, sample_fps, max_frames, max_pixels, max_source_frames, deadline)
+
+
+class _Deadline:
+    def __init__(self, seconds: float):
+        self.seconds, self.end = seconds, time.monotonic() + seconds
+
+    def check(self) -> None:
+        if time.monotonic() > self.end:
+            raise VideoError(f"decoding the video took longer than {self.seconds:g} s")
 
 
 def _check_size(width: int, height: int, max_pixels: int) -> None:
@@ -87,7 +101,8 @@ def _check_size(width: int, height: int, max_pixels: int) -> None:
         raise VideoError(f"the video's frames are {width} x {height} pixels, over the limit of {max_pixels:,}")
 
 
-def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_source_frames) -> SampledVideo:
+def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_source_frames,
+                   deadline: _Deadline) -> SampledVideo:
     _check_size(image.width, image.height, max_pixels)
     n = getattr(image, "n_frames", 1)
     if n > max_source_frames:
@@ -95,12 +110,14 @@ def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_s
     try:
         ms = 0  # whole milliseconds, as the formats store them: no float drift in fps
         for i in range(n):
+            deadline.check()
             image.seek(i)
             ms += int(image.info.get("duration") or 0) or DEFAULT_FRAME_MS
         fps = n * 1000 / ms
         indices = sample_indices(n, fps, sample_fps, max_frames)
         frames = []
         for i in indices:
+            deadline.check()
             image.seek(i)
             frames.append(image.convert("RGB"))
     except (OSError, ValueError, EOFError) as e:
@@ -108,7 +125,7 @@ def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_s
     return SampledVideo(frames, indices, fps, n)
 
 
-def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frames) -> SampledVideo:
+def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frames, deadline: _Deadline) -> SampledVideo:
     try:
         import av
     except ImportError:
@@ -132,6 +149,7 @@ def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frame
             wanted, frames = set(indices), {}
             container.seek(0)
             for i, frame in enumerate(container.decode(stream)):
+                deadline.check()
                 if i in wanted:
                     frames[i] = frame.to_image().convert("RGB")
                 if i >= indices[-1]:

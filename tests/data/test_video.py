@@ -83,6 +83,7 @@ def test_an_mp4_decodes_with_pyav():
     (b"not a video at all", {}, "could not be decoded"),
     (None, {"max_pixels": 100}, "over the limit of 100"),
     (None, {"max_source_frames": 5}, "10 frames, over the limit of 5"),
+    (None, {"max_seconds": 1e-9}, "decoding the video took longer than 1e-09 s"),
 ])
 def test_bad_videos_are_one_line(data, kwargs, message):
     pytest.importorskip("av")  # bytes Pillow cannot open go to PyAV
