@@ -69,9 +69,8 @@ def build_engine(model, args) -> LLMEngine:
     model: k3.checkpoint.draft_folder.DraftError, a ValueError, names the mismatch)."""
     from k3.checkpoint.draft_folder import load_draft
 
-    if args.draft is not None and hasattr(model, "language_model"):
-        raise ValueError("--draft is for text models; this checkpoint has a vision tower")
-    draft = None if args.draft is None else load_draft(args.draft, model)
+    # a vision model's draft is its language model's (`k3 train-draft` on the run reads that alone)
+    draft = None if args.draft is None else load_draft(args.draft, getattr(model, "language_model", model))
     return LLMEngine(model, engine_config(args), draft=draft)
 
 

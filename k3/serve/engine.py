@@ -123,8 +123,6 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.vision = model.eval() if hasattr(model, "language_model") else None
         if self.vision is not None:
-            if draft is not None:
-                raise ValueError("speculative decoding is for text models; this one has a vision tower")
             model = model.language_model
         self.model = model.eval()
         k = config.num_speculative_tokens

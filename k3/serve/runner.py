@@ -363,7 +363,8 @@ class ModelRunner:
                  for n in scoring for k in range(len(requests[n].score_targets))]
         cu = torch.tensor(starts, device=self.device)
         extra = {} if self.speculator is None else {"hidden_out": []}  # the draft reads the target's depth
-        tokens = {"inputs_embeds": self._embed(ids, starts, media)[None]} if media else {"input_ids": ids[None]}
+        embeds = self._embed(ids, starts, media) if media else None  # image rows over their placeholders
+        tokens = {"input_ids": ids[None]} if embeds is None else {"inputs_embeds": embeds[None]}
         kept_logits = self.model(**tokens, cu_seqlens=cu, cache=cache, **extra,
                                  logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))[0]
         hidden_out = extra.get("hidden_out")
@@ -385,7 +386,8 @@ class ModelRunner:
         self._copy(plan.copy_after)
         if self.speculator is not None:
             self.speculator.advance([r.request_id for r in requests], [run[:c] for run, c in zip(runs, computed)],
-                                    hidden_out, [list(range(s, s + c)) for s, c in zip(starts, computed)])
+                                    hidden_out, [list(range(s, s + c)) for s, c in zip(starts, computed)],
+                                    inputs=embeds)
         plain = [n for n in chosen if n not in speculating]
         result = self._sample(kept_logits[[first_row[n] for n in plain]], kept_logits[score_from:], requests,
                               plain, scoring, params)

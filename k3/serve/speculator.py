@@ -10,6 +10,8 @@ rejected draft never needs undoing here: proposing runs on a copy of the state.
 Where the target skipped positions (a prefix-cache hit) the draft has no representations for
 them and starts from a zero state at the hit: proposals may be weaker there, outputs are the same
 (verification decides every token). A preempted sequence starts again with its recompute.
+With a vision model the draft pairs a representation with the next position's input embedding as
+the target read it: an image row over a placeholder, not the placeholder id's embedding.
 """
 from __future__ import annotations
 
@@ -93,9 +95,11 @@ class Speculator:
 
     @torch.inference_mode()
     def advance(self, rids: list[str], tokens: list[list[int]], hidden_out: list[torch.Tensor],
-                positions: list[list[int]]) -> None:
+                positions: list[list[int]], inputs: torch.Tensor | None = None) -> None:
         """The target computed tokens[n] of sequence rids[n] at rows positions[n] of the packed
-        step (its hidden_out list); consume the pairs (representation, next token) they complete."""
+        step (its hidden_out list); consume the pairs (representation, next token) they complete.
+        `inputs` [T, D]: the step's input embeddings when they are not the tokens' (a vision
+        model's image rows over their placeholders): the draft reads what the target read."""
         fused = self.draft.fuse(depth_features([h[0] for h in hidden_out]))  # [T, D]
         device = fused.device
         feats, embeds, lengths, active = [], [], [], []
@@ -106,16 +110,15 @@ class Speculator:
                 seq = self._seqs[rid] = _DraftSeq(s.conv[0], s.recurrent[0], None)
             # pairs: (pending, tok 0), (f 0, tok 1), ..., (f m-2, tok m-1); then pending = f m-1
             rows_t = torch.tensor(rows, device=device)
-            pair_feats = fused[rows_t[:-1]]
-            pair_toks = toks[1:]
+            pair_feats, pair_rows = fused[rows_t[:-1]], rows_t[1:]
             if seq.pending is not None:
-                pair_feats = torch.cat([seq.pending[None], pair_feats])
-                pair_toks = toks
+                pair_feats, pair_rows = torch.cat([seq.pending[None], pair_feats]), rows_t
             seq.pending = fused[rows_t[-1]]
-            if pair_toks:
+            if len(pair_rows):
                 feats.append(pair_feats)
-                embeds.append(self._embed(torch.tensor(pair_toks, device=device)))
-                lengths.append(len(pair_toks))
+                embeds.append(self._embed(torch.tensor(toks[-len(pair_rows):], device=device)) if inputs is None
+                              else inputs[pair_rows].to(pair_feats.dtype))
+                lengths.append(len(pair_rows))
                 active.append(rid)
         if not active:
             return

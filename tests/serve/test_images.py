@@ -6,6 +6,7 @@ prefill chunks that split the image."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 
 import httpx
@@ -219,3 +220,32 @@ def test_the_encoder_budget_spreads_tower_work_over_steps(vl_model):
     assert capped == free
     with pytest.raises(ValueError, match="max_num_encoder_tokens must be >= 1"):
         LLMEngine(vl_model, EngineConfig(max_num_encoder_tokens=0))
+
+
+def test_speculative_decoding_with_images_equals_plain_decoding(vl_model):
+    """A vision model serves with a draft (its language model's): the draft reads the image rows
+    where the target did, and greedy outputs equal plain decoding (both batch-invariant)."""
+    from k3.model.draft import EagleDraft
+    from tests.model.vision.helpers import pixels
+
+    grid = (1, 4, 6)
+    pv, _ = pixels([grid], vl_model.config.vision_config.patch_size, seed=4)
+    prompts = [[5, 6] + [PLACEHOLDER] * 6 + [7, 8, 9], [9, 8] + [PLACEHOLDER] * 6 + [5]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(engine):
+        requests = [engine.add_request(p, params, images=[ImageInput(2, pv, grid, b"spec")]) for p in prompts]
+        while engine.has_unfinished:
+            engine.step()
+        return [r.output_token_ids for r in requests]
+
+    config = EngineConfig(block_size=4, max_num_batched_tokens=8, batch_invariant=True)
+    expected = run(LLMEngine(vl_model, config))
+    torch.manual_seed(1)
+    draft = EagleDraft(vl_model.language_model.config).eval()
+    engine = LLMEngine(vl_model, dataclasses.replace(config, num_speculative_tokens=3), draft=draft)
+    seen = []
+    advance = engine.runner.speculator.advance
+    engine.runner.speculator.advance = lambda *a, inputs=None: (seen.append(inputs is not None), advance(*a, inputs=inputs))
+    assert run(engine) == expected
+    assert any(seen) and engine.runner.spec_counts["drafted"] > 0
