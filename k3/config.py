@@ -88,7 +88,8 @@ class K3Config:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    mla_use_nope: bool = True
+    mla_use_nope: bool = True  # False: decoupled RoPE on the pe slot (an ablation; k3/model/mla.py)
+    rope_theta: float = 10000.0  # read only when mla_use_nope is False
     mla_use_output_gate: bool = True
     # --- MoE
     first_k_dense_replace: int = 1

@@ -7,6 +7,11 @@ K3 uses no RoPE anywhere (position comes from KDA), but keeps the 64-d `k_pe` sl
 (N+R)^-1/2 scale so checkpoints match the DeepSeek/Kimi layout (SPEC §12.4). The decode cache
 per token and layer is only the normalized latent c (L) and k_pe (R).
 
+`mla_use_nope: false` (no published K3 or Kimi Linear config sets it; an ablation, docs/LOG.md
+"RL and distillation") rotates q_pe and k_pe by their positions in the document (rotate-half
+RoPE, `rope_theta`), DeepSeek's decoupled RoPE: k_pe is cached rotated, so every cached path
+(decode, chunked prefill, prefix reuse) only needs each new token's position.
+
 Two attention paths over the same weights (config.mla_impl):
 - "naive": expand the latent into per-head keys/values with kv_b_proj, then SDPA.
 - "absorb" (DeepSeek-V3 `attn_impl="absorb"`): fold kv_b's key half into the query and its value
@@ -88,6 +93,35 @@ class GatedMLA(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.pe_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
 
+    def rotate(self, q: torch.Tensor, lat: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `mla_use_nope` off, q [B, T, H, N+R] and lat [B, T, L+R] with their R-wide pe slots
+        rotated by `positions` [B, T] (each token's index in its document); else both unchanged."""
+        if self.config.mla_use_nope or self.pe_dim == 0:
+            return q, lat
+        R = self.pe_dim
+        inv_freq = self.config.rope_theta ** (-torch.arange(0, R, 2, device=q.device, dtype=torch.float32) / R)
+        angle = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, R/2]
+        cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
+
+        def turn(x, cos, sin):  # rotate-half RoPE in fp32
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+        q = torch.cat([q[..., :self.nope_dim], turn(q[..., self.nope_dim:], cos[:, :, None], sin[:, :, None])], -1)
+        lat = torch.cat([lat[..., :self.latent_dim], turn(lat[..., self.latent_dim:], cos, sin)], -1)
+        return q, lat
+
+    def _positions(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, state: MLAState | None) -> torch.Tensor:
+        """[B, T]: each new token's index in its document (the cached ones before it counted)."""
+        B, T = x.shape[:2]
+        t = torch.arange(T, device=x.device)
+        if cu_seqlens is None:
+            return (t[None] if state is None else state.lengths[:, None] + t).expand(B, T)
+        rows = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=x.device), cu_seqlens.diff(),
+                                       output_size=T)
+        pos = t - cu_seqlens[rows]
+        return (pos if state is None else pos + state.lengths[rows])[None]
+
     # ------------------------------------------------------------------ attention
     def attend(self, q: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, T, H, N+R] against the latents lat [B, S, L+R] -> [B, T, H*V]. mask: bool,
@@ -135,6 +169,8 @@ class GatedMLA(nn.Module):
         with `state`, sequence n attends to its cached latents and its new ones are appended (the
         buffer must have room: `K3Cache.reserve`, which the model's forward calls)."""
         q, lat = self.queries(x), self.latents(x)
+        if not self.config.mla_use_nope:
+            q, lat = self.rotate(q, lat, self._positions(x, cu_seqlens, state))
         if state is None and cu_seqlens is None:
             o = self.attend(q, lat, mask=None)
         elif state is None:

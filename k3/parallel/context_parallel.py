@@ -185,10 +185,10 @@ def _mla_cp_forward(cp: ContextParallel):
         if state is not None:
             raise ValueError("context parallelism is for training and prefill rows, not cached decoding")
         seg = cp._segment()
-        q, lat = layer.queries(x), layer.latents(x)
+        pos = torch.arange(seg.start, seg.start + seg.length, device=x.device)
+        q, lat = layer.rotate(layer.queries(x), layer.latents(x), (pos - seg.doc_start)[None])  # RoPE ablation only
         full = all_gather(lat[0], cp.group).flatten(0, 1)[None]  # [1, T, L+R]: every rank's latents
         T = full.shape[1]
-        pos = torch.arange(seg.start, seg.start + seg.length, device=x.device)
         keys = torch.arange(T, device=x.device)
         # causal, and only within the query's document
         mask = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= seg.doc_start[:, None])  # [t, T]
