@@ -131,6 +131,11 @@ def _optimizers(base: K3Config) -> list[Variant]:
             Variant("adamw", "AdamW for every parameter", train={"optimizer": "adamw"}, sweep_lr=True)]
 
 
+def _positions(base: K3Config) -> list[Variant]:
+    return [Variant("nope", "K3: MLA without positions (order only from the KDA layers)"),
+            Variant("rope", "decoupled RoPE on MLA's pe slot (DeepSeek-style)", {"mla_use_nope": False})]
+
+
 def _precisions(base: K3Config) -> list[Variant]:
     return [Variant("high-precision", "no quantization (fp32 on CPU, bf16 autocast on CUDA)"),
             Variant("mxfp4-qat", "K3: QAT, routed experts with MXFP4 weights / MXFP8 inputs", train={"qat": True}),
@@ -162,6 +167,9 @@ STUDIES = {s.name: s for s in (
     Study("optimizer", "Optimizer: Per-Head Muon vs Muon vs AdamW (each at its tuned learning rate)",
           "Is orthogonalizing per attention head better than per matrix, and Muon better than AdamW?", SAME,
           _optimizers, figures=(("lr", "tuned lr"),)),
+    Study("positions", "MLA positions: NoPE (K3) vs decoupled RoPE",
+          "Does leaving position to the KDA layers cost quality, and does it hold at 4x the training length?",
+          SAME, _positions, figures=(("val_bpb_4x", "val bpb at 4x length"),)),
     Study("precision", "Precision: MXFP4/MXFP8 QAT vs high precision vs MXFP4 after training",
           "What does MXFP4 cost in loss, with and without quantization-aware training?", SAME, _precisions,
           figures=(("val_bpb_mxfp4", "val bpb, MXFP4 weights"),)),
