@@ -4,6 +4,7 @@ quality bars all wait on this).
 
     python -m bench.induction [--model k3|gpt-rope|gpt-nope] [--steps 400] [--lr LR]
                               [--config k3-tiny] [--override '{"initializer_range": 0.05}']
+                              [--optimizer per-head-muon|muon|adamw]
 
 Each row of a batch is 4 segments of 16 random tokens (ids 100-899), each shown twice; the
 held-out batch's loss on the second showing (after its first token) against the first showing
@@ -90,7 +91,8 @@ def build(args):
         for key, value in json.loads(args.override).items():
             setattr(config, key, value)
         model = K3ForCausalLM(config)
-        opt = PerHeadMuon(param_groups(model, config, weight_decay=0.1), lr=args.lr or 4e-3, weight_decay=0.1)
+        groups = param_groups(model, config, weight_decay=0.1, optimizer=args.optimizer)
+        opt = PerHeadMuon(groups, lr=args.lr or 4e-3, weight_decay=0.1)
         schedule = warmup_cosine(opt, args.steps, 0.1)
         t = BATCH * (2 * SEGMENTS * SEGMENT)
         cu = torch.arange(0, t + 1, 2 * SEGMENTS * SEGMENT, dtype=torch.int32)
@@ -128,6 +130,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="default: k3 train's 4e-3 (k3), 1e-3 (gpt)")
     ap.add_argument("--config", default="k3-tiny")
     ap.add_argument("--override", default="{}", help="K3Config fields as JSON (k3 only)")
+    ap.add_argument("--optimizer", default="per-head-muon", help="k3 only: per-head-muon | muon | adamw")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
