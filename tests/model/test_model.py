@@ -15,10 +15,12 @@ from tests.helpers import K3_CONFIG_JSON, assert_rel_close
 from tests.helpers.models import randomized, small_config
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=[True, False], ids=["nope", "rope"])
+def model(request):
+    """K3's NoPE MLA, and the RoPE ablation (`mla_use_nope: false`, k3/model/mla.py), whose cached
+    k_pe is rotated: every path below must hold for both."""
     torch.manual_seed(0)
-    return randomized(K3ForCausalLM(small_config()))
+    return randomized(K3ForCausalLM(small_config(mla_use_nope=request.param)))
 
 
 @pytest.mark.parametrize("mla_impl", ["naive", "absorb"])
@@ -121,12 +123,14 @@ def test_mla_auto_absorbs_decode_and_expands_prefill(monkeypatch):
     assert calls == [("naive", 5), ("absorbed", 1), ("absorbed", 1), ("naive", 3)]
 
 
+@pytest.mark.parametrize("use_nope", [True, False], ids=["nope", "rope"])
 @pytest.mark.parametrize("impl", ["naive", "absorb"])
-def test_mla_packed_step_with_decode_rows_equals_each_alone(impl):
+def test_mla_packed_step_with_decode_rows_equals_each_alone(impl, use_nope):
     """A serving step's packed row: one-token documents (batched together) beside longer ones and an
     empty one, each continuing its own cached past of a different length. Outputs and the cached
-    latents equal each document continued alone, with and without autograd."""
-    cfg = small_config(mla_impl=impl)
+    latents equal each document continued alone, with and without autograd (with RoPE, each new
+    token is rotated by its own position after its cached past)."""
+    cfg = small_config(mla_impl=impl, mla_use_nope=use_nope)
     layer = GatedMLA(cfg, 3)
     for p in layer.parameters():
         torch.nn.init.normal_(p, 0, 0.2)
