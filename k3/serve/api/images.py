@@ -100,10 +100,17 @@ def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str 
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ImageError(f"{where}: the image could not be decoded ({type(e).__name__}: {e})") from None
+    return DecodedImage(image, pixel_digest([image]))
+
+
+def pixel_digest(images: list[Image.Image]) -> bytes:
+    """BLAKE2b-128 of each image's mode, size and pixels in turn: an image's (or a video clip's
+    frames') prefix-cache key, whatever file format carried the pixels."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
-    h.update(image.tobytes())
-    return DecodedImage(image, h.digest())
+    for image in images:
+        h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+        h.update(image.tobytes())
+    return h.digest()
 
 
 def read_media_file(path: Path, what: str, max_bytes: int) -> bytes:
@@ -161,9 +168,15 @@ def prepare_image(url: str, where: str, processor: ImageProcessor,
     """One image part's URL decoded (fetched under `fetch_policy`), checked and processed;
     ImageError naming `where`."""
     decoded = decode_image_url(url, where, max_pixels=processor.max_pixels, fetch_policy=fetch_policy)
+    return process_one(decoded.image, decoded.digest, where, processor)
+
+
+def process_one(item, digest: bytes, where: str, processor: ImageProcessor) -> PreparedImages:
+    """One image, or one video clip (a list of frames), through the processor as one grid row;
+    ImageError naming `where`."""
     try:
-        inputs = processor([decoded.image])
+        inputs = processor([item])
     except ValueError as e:
         raise ImageError(f"{where}: {e}") from None
-    return PreparedImages([inputs.pixel_values], [tuple(int(x) for x in inputs.grid_thws[0])], [decoded.digest],
+    return PreparedImages([inputs.pixel_values], [tuple(int(x) for x in inputs.grid_thws[0])], [digest],
                           [int(inputs.num_placeholders[0])])

@@ -9,12 +9,11 @@ frames' pixels, so the same video hits and another never shares pages."""
 from __future__ import annotations
 
 import base64
-import hashlib
 from pathlib import Path
 
 from k3.data.image_processor import ImageProcessor
 from k3.data.video import VideoError, decode_video
-from k3.serve.api.images import ImageError, PreparedImages, read_media_file, url_bytes
+from k3.serve.api.images import ImageError, PreparedImages, pixel_digest, process_one, read_media_file, url_bytes
 from k3.serve.api.media_fetch import FetchPolicy
 
 VIDEO_TYPES = {"video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV", "video/x-matroska": "MKV",
@@ -41,16 +40,7 @@ def prepare_video(url: str, where: str, processor: ImageProcessor,
         raise ImageError(f"{where}: {e}") from None
     out, stamps = PreparedImages([], [], [], []), []
     for stamp, frames in video.clips(processor.temporal_pool):
-        try:
-            inputs = processor([frames])
-        except ValueError as e:
-            raise ImageError(f"{where}: {e}") from None
-        h = hashlib.blake2b(digest_size=16)
-        for frame in frames:
-            h.update(f"{frame.mode}:{frame.width}x{frame.height}:".encode())
-            h.update(frame.tobytes())
-        out.extend(PreparedImages([inputs.pixel_values], [tuple(int(x) for x in inputs.grid_thws[0])], [h.digest()],
-                                  [int(inputs.num_placeholders[0])]))
+        out.extend(process_one(frames, pixel_digest(frames), where, processor))
         stamps.append(stamp)
     return out, stamps
 
