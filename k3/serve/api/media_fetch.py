@@ -25,7 +25,7 @@ USER_AGENT = "k3-media-fetch"
 
 
 class FetchError(ValueError):
-    """A remote image that cannot be fetched (the server answers 400 naming the part)."""
+    """A remote image or video that cannot be fetched (the server answers 400 naming the part)."""
 
 
 @dataclass(frozen=True)
