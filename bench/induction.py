@@ -2,9 +2,10 @@
 transformer as the calibration (docs/LOG.md "RL and distillation": the post-training and vision
 quality bars all wait on this).
 
-    python -m bench.induction [--model k3|gpt-rope|gpt-nope] [--steps 400] [--lr LR]
+    python -m bench.induction [--model k3|gpt-rope|gpt-nope|gpt-mla] [--steps 400] [--lr LR]
                               [--config k3-tiny] [--override '{"initializer_range": 0.05}']
-                              [--optimizer per-head-muon|muon|adamw]
+                              [--optimizer per-head-muon|muon|adamw] [--clip 1.0] [--device cuda]
+                              [--torch-init mla|all] [--mla-std 0.02]
 
 Each row of a batch is 4 segments of 16 random tokens (ids 100-899), each shown twice; the
 held-out batch's loss on the second showing (after its first token) against the first showing
@@ -13,7 +14,10 @@ showing falls towards 0. Training is next-token loss on every position, batch 16
 warmup then cosine (k3: `k3 train`'s optimizer and schedule; gpt: AdamW, constant after a
 20-step warmup). The GPTs are 2-layer pre-norm transformers, width 128, 4 heads, with or without
 rotary positions: the smallest model known to grow an induction head, with and without
-positional information in attention (K3's MLA has none: SPEC §4).
+positional information in attention (K3's MLA has none: SPEC §4). `gpt-mla` is the rotary GPT
+with k3's GatedMLA (the `--config`'s dims, its decoupled RoPE on) in place of each attention:
+K3's attention alone in a frame known to copy, drawn with torch's default init or, with
+`--mla-std`, as K3 draws it (one normal std for every matrix).
 """
 from __future__ import annotations
 
@@ -41,21 +45,25 @@ def batch(gen: torch.Generator):
 
 
 class _Block(nn.Module):
-    def __init__(self, d: int, heads: int, rope: bool):
+    def __init__(self, d: int, heads: int, rope: bool, mla: nn.Module | None = None):
         super().__init__()
-        self.heads, self.rope = heads, rope
+        self.heads, self.rope, self.mla = heads, rope, mla
         self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        if mla is None:
+            self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     @staticmethod
     def _rotate(x: torch.Tensor) -> torch.Tensor:
         t, hd = x.shape[-2], x.shape[-1]
-        angle = torch.arange(t)[:, None] * 10000 ** (-torch.arange(0, hd, 2) / hd)
+        angle = torch.arange(t, device=x.device)[:, None] * 10000 ** (-torch.arange(0, hd, 2, device=x.device) / hd)
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.stack([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], -1).flatten(-2)
 
     def forward(self, x):
+        if self.mla is not None:
+            x = x + self.mla(self.n1(x))
+            return x + self.mlp(self.n2(x))
         b, t, d = x.shape
         q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         if self.rope:
@@ -65,10 +73,12 @@ class _Block(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    def __init__(self, vocab: int, rope: bool, d: int = 128, heads: int = 4, layers: int = 2):
+    def __init__(self, vocab: int, rope: bool, d: int = 128, heads: int = 4, layers: int = 2, mla_config=None):
         super().__init__()
+        from k3.model.mla import GatedMLA
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(_Block(d, heads, rope) for _ in range(layers))
+        self.blocks = nn.ModuleList(_Block(d, heads, rope, None if mla_config is None else GatedMLA(mla_config, i))
+                                    for i in range(layers))
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, ids):
@@ -91,24 +101,45 @@ def build(args):
         for key, value in json.loads(args.override).items():
             setattr(config, key, value)
         model = K3ForCausalLM(config)
+        if args.torch_init:  # torch's fan-in-scaled Linear init in place of K3's one std for all
+            from k3.model.mla import GatedMLA
+            for name, module in model.named_modules():
+                if isinstance(module, nn.Linear) and not name.endswith("_res_proj") and (
+                        args.torch_init == "all" or isinstance(model.get_submodule(name.rsplit(".", 1)[0]), GatedMLA)):
+                    module.reset_parameters()
+        model.to(args.device)
         groups = param_groups(model, config, weight_decay=0.1, optimizer=args.optimizer)
         opt = PerHeadMuon(groups, lr=args.lr or 4e-3, weight_decay=0.1)
         schedule = warmup_cosine(opt, args.steps, 0.1)
         t = BATCH * (2 * SEGMENTS * SEGMENT)
-        cu = torch.arange(0, t + 1, 2 * SEGMENTS * SEGMENT, dtype=torch.int32)
+        cu = torch.arange(0, t + 1, 2 * SEGMENTS * SEGMENT, dtype=torch.int32, device=args.device)
 
         def logits(ids):  # the rows packed as documents (cu_seqlens), as `k3 train` feeds them
             return model(ids.reshape(1, -1), cu_seqlens=cu)[0].view(*ids.shape, -1)
 
         def step(loss):
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             schedule.step()
             opt.zero_grad(set_to_none=True)
             balance_step(model, "quantile")
         return model, logits, step
-    model = PlainGPT(FIRST_ID + IDS, rope=args.model == "gpt-rope")
+    mla_config = None
+    if args.model == "gpt-mla":
+        from k3.config import load_config
+        mla_config = load_config(args.config)
+        mla_config.mla_use_nope = False  # the GPT has no other source of position
+        for key, value in json.loads(args.override).items():
+            setattr(mla_config, key, value)
+    model = PlainGPT(FIRST_ID + IDS, rope=args.model == "gpt-rope", mla_config=mla_config)
+    if args.mla_std:
+        for block in model.blocks:
+            for module in block.mla.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, 0.0, args.mla_std)
+    model.to(args.device)
     lr = args.lr or 1e-3
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     done = [0]
@@ -125,19 +156,26 @@ def build(args):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("k3", "gpt-rope", "gpt-nope"), default="k3")
+    ap.add_argument("--model", choices=("k3", "gpt-rope", "gpt-nope", "gpt-mla"), default="k3")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=None, help="default: k3 train's 4e-3 (k3), 1e-3 (gpt)")
     ap.add_argument("--config", default="k3-tiny")
-    ap.add_argument("--override", default="{}", help="K3Config fields as JSON (k3 only)")
+    ap.add_argument("--override", default="{}", help="K3Config fields as JSON (k3 and gpt-mla)")
     ap.add_argument("--optimizer", default="per-head-muon", help="k3 only: per-head-muon | muon | adamw")
+    ap.add_argument("--clip", type=float, default=1.0, help="k3 only: gradient norm clip (k3 train's), 0 = none")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--torch-init", choices=("mla", "all"), default=None,
+                    help="k3 only: torch's default Linear init for the MLA projections or every Linear")
+    ap.add_argument("--mla-std", type=float, default=None,
+                    help="gpt-mla only: every MLA matrix drawn N(0, std), K3's init (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     print(configure(args.threads).describe())
     torch.manual_seed(args.seed)
     model, logits, step = build(args)
-    train_gen, held_out = torch.Generator().manual_seed(args.seed + 1), batch(torch.Generator().manual_seed(999))
+    train_gen = torch.Generator().manual_seed(args.seed + 1)
+    held_out = [t.to(args.device) for t in batch(torch.Generator().manual_seed(999))]
     print(f"{args.model}: no copying = ln {IDS} = {math.log(IDS):.2f} nats on both showings")
     t0, first_copy = time.perf_counter(), None
     for s in range(args.steps + 1):
@@ -154,7 +192,7 @@ def main() -> None:
                   flush=True)
         if s == args.steps:
             break
-        ids, targets, _ = batch(train_gen)
+        ids, targets, _ = (t.to(args.device) for t in batch(train_gen))
         step(F.cross_entropy(logits(ids).float().transpose(1, 2), targets))
     print(f"copies (second showing under half the first) from step {first_copy}" if first_copy is not None
           else f"no copying within {args.steps} steps")
