@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3.model.mla import GatedMLA
 from k3.threads import configure
 
 SEGMENTS, SEGMENT, BATCH, FIRST_ID, IDS = 4, 16, 16, 100, 800
@@ -75,7 +76,6 @@ class _Block(nn.Module):
 class PlainGPT(nn.Module):
     def __init__(self, vocab: int, rope: bool, d: int = 128, heads: int = 4, layers: int = 2, mla_config=None):
         super().__init__()
-        from k3.model.mla import GatedMLA
         self.embed = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(_Block(d, heads, rope, None if mla_config is None else GatedMLA(mla_config, i))
                                     for i in range(layers))
@@ -102,7 +102,6 @@ def build(args):
             setattr(config, key, value)
         model = K3ForCausalLM(config)
         if args.torch_init:  # torch's fan-in-scaled Linear init in place of K3's one std for all
-            from k3.model.mla import GatedMLA
             for name, module in model.named_modules():
                 if isinstance(module, nn.Linear) and not name.endswith("_res_proj") and (
                         args.torch_init == "all" or isinstance(model.get_submodule(name.rsplit(".", 1)[0]), GatedMLA)):
@@ -171,6 +170,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.torch_init and args.model != "k3":
+        ap.error("--torch-init applies to --model k3 (the GPTs already use torch's init)")
+    if args.mla_std is not None and args.model != "gpt-mla":
+        ap.error("--mla-std applies to --model gpt-mla")
     print(configure(args.threads).describe())
     torch.manual_seed(args.seed)
     model, logits, step = build(args)
