@@ -88,6 +88,12 @@ class PlainGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+def mla_linears(model: nn.Module):
+    """Every Linear inside the model's GatedMLA layers, in registration order."""
+    for mla in (m for m in model.modules() if isinstance(m, GatedMLA)):
+        yield from (m for m in mla.modules() if isinstance(m, nn.Linear))
+
+
 def build(args):
     """(model, logits(ids [B, T]) -> [B, T, V], step(loss) -> None)."""
     if args.model == "k3":
@@ -102,10 +108,10 @@ def build(args):
             setattr(config, key, value)
         model = K3ForCausalLM(config)
         if args.torch_init:  # torch's fan-in-scaled Linear init in place of K3's one std for all
-            for name, module in model.named_modules():
-                if isinstance(module, nn.Linear) and not name.endswith("_res_proj") and (
-                        args.torch_init == "all" or isinstance(model.get_submodule(name.rsplit(".", 1)[0]), GatedMLA)):
-                    module.reset_parameters()
+            linears = mla_linears(model) if args.torch_init == "mla" else (
+                m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("_res_proj"))
+            for module in linears:
+                module.reset_parameters()
         model.to(args.device)
         groups = param_groups(model, config, weight_decay=0.1, optimizer=args.optimizer)
         opt = PerHeadMuon(groups, lr=args.lr or 4e-3, weight_decay=0.1)
@@ -134,10 +140,8 @@ def build(args):
             setattr(mla_config, key, value)
     model = PlainGPT(FIRST_ID + IDS, rope=args.model == "gpt-rope", mla_config=mla_config)
     if args.mla_std:
-        for block in model.blocks:
-            for module in block.mla.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, 0.0, args.mla_std)
+        for module in mla_linears(model):
+            nn.init.normal_(module.weight, 0.0, args.mla_std)
     model.to(args.device)
     lr = args.lr or 1e-3
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)

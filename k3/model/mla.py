@@ -101,11 +101,13 @@ class GatedMLA(nn.Module):
         R = self.pe_dim
         inv_freq = self.config.rope_theta ** (-torch.arange(0, R, 2, device=q.device, dtype=torch.float32) / R)
         angle = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, R/2]
-        cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
+        angle = torch.cat([angle, angle], -1)  # rotate-half: both halves turn by the same angles
+        cos, sin = angle.cos(), angle.sin()
 
         def turn(x, cos, sin):  # rotate-half RoPE in fp32
-            x1, x2 = x.float().chunk(2, dim=-1)
-            return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+            xf = x.float()
+            x1, x2 = xf.chunk(2, dim=-1)
+            return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
         q = torch.cat([q[..., :self.nope_dim], turn(q[..., self.nope_dim:], cos[:, :, None], sin[:, :, None])], -1)
         lat = torch.cat([lat[..., :self.latent_dim], turn(lat[..., self.latent_dim:], cos, sin)], -1)
