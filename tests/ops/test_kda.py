@@ -262,6 +262,41 @@ def test_gate_argument_activates_the_raw_gate(impl, form):
     A_log, dt_bias = gate.A_log.requires_grad_(), gate.dt_bias.requires_grad_()
     o, s = kda(q, k, v, raw, beta, initial_state=h0, output_final_state=True, impl=impl, gate=gate)
     o_ref, s_ref = kda(q, k, v, activate_gate(raw, gate), beta, initial_state=h0, output_final_state=True, impl=impl)
-    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+    if impl == "chunk" and form == "lb":  # the known bound lets the chunk path factor its diagonal blocks
+        assert_rel_close("o", o_ref, o, TOL)
+        assert_rel_close("final state", s_ref, s, TOL)
+    else:
+        assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
     grads = torch.autograd.grad(o.sum() + s.sum(), (A_log, dt_bias))
     assert all(g.isfinite().all() and g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("extreme", [False, True])
+def test_factored_diagonal_blocks_match_pairwise_decays(extreme):
+    """Under a lower-bounded gate the chunk path's diagonal blocks are matmuls of rows decayed to and
+    from the block's first token; they equal the explicit pairwise decays (values and gradients),
+    also with every g at the bound, where a factor reaches e^((d - 1)|lb|)."""
+    from k3.ops.kda.chunk import MAX_FACTOR_EXP, _intra_chunk_scores, factored_diag
+
+    assert factored_diag(64, None) is None and factored_diag(64, -5.0) == 16
+    assert factored_diag(64, -1.0) == 64 and factored_diag(64, -20.0) is None  # 7 * 20 > 80
+    torch.manual_seed(0)
+    q, k = (F.normalize(torch.randn(2, 3, 2, 64, 16, dtype=torch.float64), dim=-1) for _ in range(2))
+    g = torch.full_like(q, -5.0) if extreme else -5.0 * torch.sigmoid(3 * torch.randn_like(q))
+    G = g.cumsum(-2)
+    d = factored_diag(64, -5.0)
+    assert (d - 1) * 5.0 <= MAX_FACTOR_EXP
+    ref = [t.requires_grad_() for t in (q.clone(), k.clone(), G.clone())]
+    new = [t.float().requires_grad_() for t in (q, k, G)]
+    out_ref, out = _intra_chunk_scores(*ref), _intra_chunk_scores(*new, d)
+    w = [torch.randn_like(t) for t in out_ref]  # a random cotangent, not a sum
+    sum((a * b).sum() for a, b in zip(out_ref, w)).backward()
+    sum((a * b.float()).sum() for a, b in zip(out, w)).backward()
+    for name, a, b in zip(("A_qk", "A_kk"), out_ref, out):
+        assert b.isfinite().all()
+        assert_rel_close(name, a, b, TOL)
+    # every g at the bound: dG's largest entries cancel terms of both factors (the pairwise path's
+    # own error there is ~8e-6, the factored one's ~3e-5; with gates inside the bound both ~4e-6)
+    for name, a, b in zip(("dq", "dk", "dG"), ref, new):
+        assert b.grad.isfinite().all()
+        assert_rel_close(name, a.grad, b.grad, 1e-4 if extreme and name == "dG" else TOL)

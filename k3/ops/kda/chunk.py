@@ -9,12 +9,15 @@ log-decay G_i = sum_{r<=i} g_r (per key channel) and S the state entering the ch
     V' = U - W S ;  O = (exp(G) * Q) S + A_qk V' ;  S <- Diag(exp(G_C)) S + (exp(G_C - G) * K)^T V'
 
 Everything above the last line is batched over all chunks at once; only the last line (it needs S)
-loops over chunks. All math is fp32 and no exp ever sees a positive argument: pairwise decays between
+loops over chunks. All math is fp32, and with an unbounded gate no exp sees a positive argument: pairwise decays between
 the two halves of a block factor through the earlier half's end (two factors <= 1, a matmul), halves
 joined bottom up from 4-token blocks; inside those they are built as exp(G_i - G_j) with the
 non-causal (j > i) entries set to -inf BEFORE exp, so they are exactly 0 and so are their gradients
 (masking after exp would give inf * 0 = NaN for large decays). Memory: a [B, H, T, 4, K] fp32
-tensor for those diagonal blocks.
+tensor for those diagonal blocks. When the caller bounds every g from below (K3's gate: g > lb,
+SPEC §3), the diagonal blocks are matmuls too: rows decayed to and from the block's first token,
+q_i exp(G_i - G_0) <= 1 and k_j exp(G_0 - G_j) <= exp((d - 1)|lb|), stay in fp32's range (fla's
+"safe gate" reasoning), and a row still reads no later token's decay (prefix invariance).
 T need not be a multiple of C: the last chunk is padded with q = k = v = 0, g = 0 (no
 decay) and beta = 0 (no write), which changes no real output and no final state.
 """
@@ -27,6 +30,7 @@ from k3.ops.varlen import pack, unpack
 
 CHUNK_SIZES = (16, 32, 64)
 DIAG = 4  # diagonal blocks with explicit pairwise decays; larger halves are matmuls (fastest on CPU)
+MAX_FACTOR_EXP = 80.0  # largest exponent in a factored block: e^80 ~ 6e34, K of them summed stay under fp32's 3e38
 
 
 def kda_chunk(
@@ -41,8 +45,10 @@ def kda_chunk(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    decay_floor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
+    """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None). `decay_floor`: a
+    bound the caller guarantees, every g >= decay_floor (the lower-bounded gate's lb); None: any g <= 0."""
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"kda_chunk: chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
@@ -53,7 +59,8 @@ def kda_chunk(
         tensors = tuple(unpack(t, cu_seqlens, multiple=chunk_size) for t in tensors)
     else:
         tensors = tuple(_pad_time(t, -T % chunk_size) for t in tensors)
-    o, state = _chunked(*tensors, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+    o, state = _chunked(*tensors, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                        diag=factored_diag(chunk_size, decay_floor))
     o = pack(o, cu_seqlens) if cu_seqlens is not None else o[:, :T]
     return o.to(v.dtype), state if output_final_state else None
 
@@ -62,8 +69,20 @@ def _pad_time(x: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], dim=1) if extra else x
 
 
-def _chunked(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int):
-    """fp32 inputs with T a multiple of the chunk; returns (o [B, T, H, V], state [B, H, K, V])."""
+def factored_diag(chunk_size: int, decay_floor: float | None) -> int | None:
+    """The largest diagonal block (>= 8 tokens) whose decays may factor through its first token
+    under `decay_floor`, or None (explicit pairwise decays in DIAG-token blocks)."""
+    if decay_floor is None:
+        return None
+    d = chunk_size
+    while d >= 8 and (d - 1) * -decay_floor > MAX_FACTOR_EXP:
+        d //= 2
+    return d if d >= 8 else None
+
+
+def _chunked(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int, diag: int | None = None):
+    """fp32 inputs with T a multiple of the chunk; returns (o [B, T, H, V], state [B, H, K, V]).
+    `diag`: the factored diagonal block size (`factored_diag`), None for the pairwise one."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C, NC = chunk_size, T // chunk_size
@@ -74,7 +93,7 @@ def _chunked(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int):
     q, k, v, g = chunks(q * scale), chunks(k), chunks(v), chunks(g)
     beta = chunks(beta)  # [B, H, NC, C, 1]
     G = g.cumsum(dim=-2)
-    A_qk, A_kk = _intra_chunk_scores(q, k, G)
+    A_qk, A_kk = _intra_chunk_scores(q, k, G, diag)
     A_kk = A_kk * beta * torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     rhs = torch.cat([beta * G.exp() * k, beta * v], dim=-1)
@@ -94,7 +113,8 @@ def _chunked(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int):
     return o.permute(0, 2, 3, 1, 4).reshape(B, T, H, V), S
 
 
-def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor,
+                        diag: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, G [..., C, K] -> (A_qk, A_kk') [..., C, C], A_xk[i, j] = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c])
     for j <= i and 0 above the diagonal (the caller drops A_kk's diagonal).
 
@@ -104,15 +124,21 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tu
     DIAG-token blocks on the diagonal need explicit [DIAG, DIAG, K] pairwise decays. So the
     elementwise work is ~T * K * (DIAG + 2 log2(C / DIAG)) per head instead of T * K * C, and no exp
     sees a positive argument. q and k share every decay factor, so they go through stacked.
+    With `diag` (a bounded gate, `factored_diag`), the diagonal blocks are diag tokens and matmuls
+    of rows decayed to and from the block's first token instead.
     """
     C = q.shape[-2]
-    d = min(DIAG, C)
+    d = min(diag or DIAG, C)
     x = torch.stack([q, k])  # [2, ..., C, K]
     xb, kb, Gb = (t.unflatten(-2, (C // d, d)) for t in (x, k, G))
     causal = torch.ones(d, d, dtype=torch.bool, device=q.device).tril()
-    decay = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
-    # a sum, not a matmul: a [d, K] x [K, 1] bmm per row has a backward of tiny outer products
-    A = (xb[..., :, None, :] * (decay * kb[..., None, :, :])).sum(-1)  # [2, ..., C/d, d, d]
+    if diag:
+        G_0 = Gb[..., :1, :]  # the block's first token: a row never reads a later token's decay
+        A = ((xb * (Gb - G_0).exp()) @ (kb * (G_0 - Gb).exp()).transpose(-1, -2)).masked_fill(~causal, 0.0)
+    else:
+        decay = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
+        # a sum, not a matmul: a [d, K] x [K, 1] bmm per row has a backward of tiny outer products
+        A = (xb[..., :, None, :] * (decay * kb[..., None, :, :])).sum(-1)  # [2, ..., C/d, d, d]
     b = d
     while b < C:  # join sibling blocks of b tokens into blocks of 2b
         n = C // (2 * b)

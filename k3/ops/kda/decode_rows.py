@@ -37,16 +37,19 @@ def kda_split_decode_rows(
     output_final_state: bool = False,
     chunk_size: int = 64,
     short_below: int = SHORT,
+    decay_floor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`kda_chunk` over a packed [1, T] batch, with its sequences of at most `short_below` tokens
-    split off as above (a large `short_below`: every sequence token by token, in one batch)."""
+    split off as above (a large `short_below`: every sequence token by token, in one batch).
+    `decay_floor`: as `kda_chunk`'s."""
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     lengths = seq_lengths(cu_seqlens)
     short = [n for n, length in enumerate(lengths) if length <= short_below]
     multi = [n for n, length in enumerate(lengths) if length > short_below]
     if not short:
         return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+                         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                         decay_floor=decay_floor)
     starts = [0, *accumulate(lengths)][:-1]  # from the lengths already on the host: no second read
     longest = max(lengths[n] for n in short)
     # [n, longest] gather indices of the short rows; padding slots read row 0 and are zeroed
@@ -66,7 +69,8 @@ def kda_split_decode_rows(
         multi_pos = torch.cat([torch.arange(starts[n], starts[n] + lengths[n], device=q.device) for n in multi])
         multi_cu = torch.tensor([0] + [lengths[n] for n in multi], device=cu_seqlens.device).cumsum(0)
         o_multi, s_multi = kda_chunk(*(t[:, multi_pos] for t in inputs), scale=scale, initial_state=state_of(multi),
-                                     output_final_state=True, cu_seqlens=multi_cu, chunk_size=chunk_size)
+                                     output_final_state=True, cu_seqlens=multi_cu, chunk_size=chunk_size,
+                                     decay_floor=decay_floor)
         o[0, multi_pos] = o_multi[0]
     if not output_final_state:
         return o, None
