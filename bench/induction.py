@@ -94,18 +94,24 @@ def mla_linears(model: nn.Module):
         yield from (m for m in mla.modules() if isinstance(m, nn.Linear))
 
 
+def k3_config(args, **defaults):
+    """The `--config` preset or file with `defaults`, then the `--override` fields, set."""
+    from k3.config import load_config
+    config = load_config(args.config)
+    for key, value in {**defaults, **json.loads(args.override)}.items():
+        setattr(config, key, value)
+    return config
+
+
 def build(args):
     """(model, logits(ids [B, T]) -> [B, T, V], step(loss) -> None)."""
     if args.model == "k3":
-        from k3.config import load_config
         from k3.model.transformer import K3ForCausalLM
         from k3.train.balance import balance_step
         from k3.train.muon import PerHeadMuon, param_groups
         from k3.train.schedule import warmup_cosine
 
-        config = load_config(args.config)
-        for key, value in json.loads(args.override).items():
-            setattr(config, key, value)
+        config = k3_config(args)
         model = K3ForCausalLM(config)
         if args.torch_init:  # torch's fan-in-scaled Linear init in place of K3's one std for all
             linears = mla_linears(model) if args.torch_init == "mla" else (
@@ -133,11 +139,7 @@ def build(args):
         return model, logits, step
     mla_config = None
     if args.model == "gpt-mla":
-        from k3.config import load_config
-        mla_config = load_config(args.config)
-        mla_config.mla_use_nope = False  # the GPT has no other source of position
-        for key, value in json.loads(args.override).items():
-            setattr(mla_config, key, value)
+        mla_config = k3_config(args, mla_use_nope=False)  # the GPT has no other source of position
     model = PlainGPT(FIRST_ID + IDS, rope=args.model == "gpt-rope", mla_config=mla_config)
     if args.mla_std:
         for module in mla_linears(model):

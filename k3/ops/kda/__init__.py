@@ -85,6 +85,7 @@ def kda(
         q, k = l2_normalize(q.float()), l2_normalize(k.float())
     if impl != "fla" and gate is not None:
         g = activate_gate(g, gate)
+    floor = None if gate is None else gate.lower_bound  # every activated g lies above it: chunk's bound
     if impl == "fla":
         o, final_state = fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
                                              update_state_in_place=update_state_in_place,
@@ -94,21 +95,15 @@ def kda(
     elif impl == "recurrent":
         o, final_state = kda_recurrent(q, k, v, g, beta, **common)
     elif cu_seqlens is not None:  # a serving step's decode rows must not be padded to a chunk each
-        o, final_state = kda_split_decode_rows(q, k, v, g, beta, **common, chunk_size=chunk_size,
-                                               decay_floor=_decay_floor(gate))
+        o, final_state = kda_split_decode_rows(q, k, v, g, beta, **common, chunk_size=chunk_size, decay_floor=floor)
     else:
-        o, final_state = kda_chunk(q, k, v, g, beta, **common, chunk_size=chunk_size, decay_floor=_decay_floor(gate))
+        o, final_state = kda_chunk(q, k, v, g, beta, **common, chunk_size=chunk_size, decay_floor=floor)
     if update_state_in_place and final_state is not initial_state:  # fla's decode kernel wrote it already
         final_state = initial_state.copy_(final_state)
     return o, final_state
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _decay_floor(gate: DecayGate | None) -> float | None:
-    """The lower-bounded gate's lb: every activated g lies above it (k3.ops.kda.gate)."""
-    return None if gate is None else gate.lower_bound
 
 
 def _auto_impl(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:
