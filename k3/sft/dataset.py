@@ -15,9 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import jsonschema_rs
-
 from k3.data.jsonl import jsonl_records
+from k3.text.tool_schema import compile_parameters
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -75,10 +74,9 @@ def _check_tools(tools) -> set[str] | None:
         params = fn.get("parameters")
         if params is not None:
             try:
-                jsonschema_rs.meta.validate(params)
-            except (jsonschema_rs.ValidationError, ValueError) as e:
-                raise _Bad(f"tool {j} ({name}): parameters is not a valid JSON Schema: "
-                           f"{str(e).splitlines()[0]}") from None
+                compile_parameters(params)
+            except ValueError as e:
+                raise _Bad(f"tool {j} ({name}): {e}") from None
         names.add(name)
     return names
 

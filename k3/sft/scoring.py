@@ -14,9 +14,8 @@ import re
 from collections.abc import Callable
 from typing import Protocol
 
-import jsonschema_rs
-
 from k3.sft.tools import TOOLS, call_tool
+from k3.text.tool_schema import compile_parameters
 
 METRICS = ("valid_xtml", "right_tool", "valid_arguments", "tool_ok", "answer_correct")
 
@@ -62,6 +61,13 @@ def _schema(name, tools: list[dict] | None) -> dict | None:
     return None
 
 
+def _valid(schema: dict, args) -> bool:
+    try:
+        return compile_parameters(schema).is_valid(args)
+    except ValueError:  # a schema of the caller's that does not compile validates nothing
+        return False
+
+
 def contains_answer(text: str, answer: str) -> bool:
     """`answer` occurs in `text` as a whole: "84" is not found in "184", "-84" or "84.5"."""
     return re.search(r"(?<![\w.\-])" + re.escape(answer.strip()) + r"(?!\w|\.\d)", text or "") is not None
@@ -83,7 +89,7 @@ def score(expected: dict, first: Reply, final: Reply | None, tools: list[dict] |
         right_tool = bool(names) and all(n == want_tool for n in names)
         args = _arguments(calls[0]) if calls else None
         schema = _schema(names[0], tools) if calls else None
-        valid_arguments = (args is not None and schema is not None and jsonschema_rs.is_valid(schema, args)
+        valid_arguments = (args is not None and schema is not None and _valid(schema, args)
                            and _same(args, expected.get("arguments") or {}))
         answer_text = final.content if final is not None else None
     answer = expected.get("answer")

@@ -16,7 +16,7 @@ import json
 import math
 from fractions import Fraction
 
-import jsonschema_rs
+from k3.text.tool_schema import compile_parameters
 
 
 def _declare(name: str, description: str, properties: dict[str, dict]) -> dict:
@@ -141,7 +141,7 @@ def convert(value: float, from_unit: str, to_unit: str) -> str:
     return f"{format_number(_number(value) * fa / fb)} {to_unit}"
 
 
-_VALIDATORS = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in TOOLS}
+_VALIDATORS = {t["function"]["name"]: compile_parameters(t["function"]["parameters"]) for t in TOOLS}
 
 
 def parse_arguments(arguments: dict | str) -> dict:

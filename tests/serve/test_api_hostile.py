@@ -298,6 +298,13 @@ BAD = [
                                                                                  "parameters": {"type": "nope"}}}]}),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f",
                                                                                  "parameters": {"properties": 5}}}]}),
+    # schemas that compile only by reading the server's disk or network, or not at all: 400 before
+    # generating, never a file read, a fetch, or a 500 after the reply
+    *[("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": p}}]})
+      for p in ({"$ref": "file:///etc/hostname"}, {"$ref": "http://127.0.0.1:9/s.json"},
+                {"$id": "http://example.com/root", "properties": {"a": {"$ref": "other.json"}}},
+                {"$ref": "#/definitions/missing"},
+                {"type": "object", "properties": {"c": {"type": "string", "pattern": "(("}}})],
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": False}),
     ("/v1/chat/completions", {**CHAT, "logprobs": 1}),
 ]
@@ -319,7 +326,9 @@ def test_valid_neighbours_of_the_odd_input_pass(server):
           ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}, call('{"a": [[1]]}'),
                                                          {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}),
           ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
-              "name": "f", "parameters": nested(10)}}]})]
+              "name": "f", "parameters": nested(10)}}]}),
+          ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+              "type": "object", "$defs": {"s": {"type": "string"}}, "properties": {"c": {"$ref": "#/$defs/s"}}}}}]})]
     for path, body in ok:
         r = post(s, path, body)
         assert r.status_code == 200, (body, r.text)

@@ -83,6 +83,8 @@ BAD = [
     ("tools not a list", _with(tools={"a": 1}), "'tools' must be a list"),
     ("bad tool schema", _with(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]),
      "not a valid JSON Schema"),
+    ("schema reading a file", _with(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"$ref": "file:///etc/hostname"}}}]), "external $ref 'file:///etc/hostname'"),
     ("expected not an object", _with(expected=[1]), "'expected' must be an object"),
 ]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-import jsonschema_rs
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -26,6 +25,7 @@ from pydantic import (
 )
 
 from k3.serve.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from k3.text.tool_schema import compile_parameters
 
 MAX_INT = 2**31 - 1
 MAX_DEPTH = 64  # JSON nesting (objects and lists), tool schemas and call arguments included
@@ -256,10 +256,7 @@ class FunctionDef(_Request):
     @classmethod
     def _json_schema(cls, v: dict | None) -> dict | None:
         if v is not None:
-            try:
-                jsonschema_rs.meta.validate(v)
-            except (jsonschema_rs.ValidationError, ValueError) as e:
-                raise ValueError(f"parameters is not a valid JSON Schema: {str(e).splitlines()[0]}") from None
+            compile_parameters(v)  # also external or unresolvable $refs, bad patterns: 400 now, not 500 later
         return v
 
 

@@ -6,12 +6,13 @@ tool, arguments that do not parse or fail the schema, a call the parser found ma
 call when `parallel_tool_calls` is false) is left out and reported in the non-standard
 `tool_call_errors` list beside it, so a client never executes a call the tool would reject and the
 reason stays visible. Valid calls are numbered 0, 1, ... as streamed `delta.tool_calls[].index`.
+Schemas compile with `k3/text/tool_schema.py` (no external `$ref`), as request validation did.
 """
 from __future__ import annotations
 
 import json
 
-import jsonschema_rs
+from k3.text.tool_schema import compile_parameters
 
 
 class ToolCallChecker:
@@ -20,8 +21,7 @@ class ToolCallChecker:
         self.validators = {}
         for t in tools:
             fn = t["function"]
-            schema = fn.get("parameters") or {"type": "object"}
-            self.validators[fn["name"]] = jsonschema_rs.validator_for(schema)
+            self.validators[fn["name"]] = compile_parameters(fn.get("parameters"))
         self.calls: list[dict] = []  # accepted, in order
         self.errors: list[dict] = []
 
