@@ -10,43 +10,49 @@ k3.serve.sampling.MAX_STOP_CHARS).
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from k3.text.partial_match import held_back
+from k3.text.partial_match import StopStrings
+
+
+class TextView(Protocol):
+    """What a request stream makes of its tokens: `push` the new ids (returns the delta's text),
+    `flush` at the end, `stopped` once it found a stop (the stream then ends the request)."""
+    stopped: bool
+
+    def push(self, token_ids: list[int]) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class IncrementalDetokenizer:
+    """The request stream's text view (`push` / `flush` / `stopped`, as `RequestStream` uses it):
+    the decoded text, stop strings matched on it."""
+
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.stop = stop or []
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._pending = ""  # decoded but held back (may start a stop string)
+        self._stops = StopStrings(stop)
         self.text = ""  # everything released so far
-        self.stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
 
     def push(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the newly released text (sets `stopped` on a stop string)."""
         if self.stopped:
             return ""
-        for token in token_ids:
-            chunk = self._stream.step(self.tokenizer, token)
-            if chunk:
-                self._pending += chunk
-        # _pending is the held-back tail plus the new text: a stop string can only end in the new text
-        first = min((at for s in self.stop if (at := self._pending.find(s)) >= 0), default=-1)
-        if first >= 0:
-            self.stopped = True
-            self._pending = self._pending[:first]
-            return self._release(len(self._pending))
-        hold = max((held_back(self._pending, s) for s in self.stop), default=0)
-        return self._release(len(self._pending) - hold)
+        decoded = "".join(chunk for token in token_ids if (chunk := self._stream.step(self.tokenizer, token)))
+        return self._keep(self._stops.push(decoded))
 
     def flush(self) -> str:
         """The stream ended without a stop string: release what was held back."""
-        return self._release(len(self._pending))
+        return self._keep(self._stops.flush())
 
-    def _release(self, n: int) -> str:
-        out, self._pending = self._pending[:n], self._pending[n:]
+    def _keep(self, out: str) -> str:
         self.text += out
         return out

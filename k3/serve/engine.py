@@ -38,7 +38,7 @@ from k3.model.multimodal import placeholder_count
 from k3.ops.batch_invariant import batch_invariant, check_device
 from k3.regional_compile import compile_regions
 from k3.serve.cache_manager import CacheManager
-from k3.serve.detokenizer import IncrementalDetokenizer
+from k3.serve.detokenizer import IncrementalDetokenizer, TextView
 from k3.serve.page_layout import PageLayout
 from k3.serve.request import MediaSpan, Request, RequestStatus
 from k3.serve.runner import ModelRunner
@@ -369,14 +369,16 @@ class AsyncEngine:
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  boundaries: tuple[int, ...] = (), eos_token_id: int | None = None, images: list[ImageInput] = (),
-                 skip_special_tokens: bool = True,
-                 on_finish: Callable[[str], None] | None = None) -> "RequestStream":
+                 skip_special_tokens: bool = True, on_finish: Callable[[str], None] | None = None,
+                 text_view: TextView | None = None) -> "RequestStream":
         """Add a request NOW (raising ValueError / QueueFullError / EngineError before anything is
         streamed, so the caller can still answer with a status code) and return its stream of
         deltas. Closing the stream before the end (aclose / close, even before the first
         iteration; cancellation; garbage collection) aborts the request and frees its pages.
         `on_finish(reason)` is called once when the stream closes: its finish reason, "error" or
-        "cancelled" (closed before the end)."""
+        "cancelled" (closed before the end). `text_view` replaces the detokenizer (and its
+        matching of `params.stop`): the chat route's parsed reply, whose stop strings see only
+        the content."""
         if self.error is not None:
             raise EngineError(f"the engine stopped after an error: {self.error!r}")
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -392,8 +394,8 @@ class AsyncEngine:
             self._release(rid, abort=True)
             raise EngineError(f"the engine stopped after an error: {self.error!r}")
         self._wake.set()
-        return RequestStream(self, rid, queue, IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens),
-                             on_finish)
+        view = text_view or IncrementalDetokenizer(self.tokenizer, params.stop, skip_special_tokens)
+        return RequestStream(self, rid, queue, view, on_finish)
 
 
 class RequestStream:
@@ -401,7 +403,7 @@ class RequestStream:
     has finished, whether or not iteration ever started; a stream dropped unclosed is aborted when
     it is garbage collected."""
 
-    def __init__(self, engine: AsyncEngine, rid: str, queue: asyncio.Queue, detok: IncrementalDetokenizer,
+    def __init__(self, engine: AsyncEngine, rid: str, queue: asyncio.Queue, detok: TextView,
                  on_finish: Callable[[str], None] | None = None):
         self.request_id = rid
         self._engine, self._queue, self._detok = engine, queue, detok

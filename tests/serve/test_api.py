@@ -202,6 +202,27 @@ def test_tool_choice_and_checked_calls(scripted):
     wait_idle(engine)
 
 
+def test_chat_stop_strings_cut_the_content_only(scripted):
+    """A stop string ends the content the client sees, there and then (the request's pages freed),
+    streamed or not; the reasoning and the format's tag names ("response", "call") never match."""
+    server, engine = scripted
+    c = client(server, KEY)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    cases = [("king", "look it up", "Chec", "stop", []),  # REPLY: reasoning "look it up", content "Checking."
+             ("it up", "look it up", "Checking.", "tool_calls", ["get_weather"]),  # only in the reasoning
+             ("response", "look it up", "Checking.", "tool_calls", ["get_weather"]),  # only a tag name
+             ("call", "look it up", "Checking.", "tool_calls", ["get_weather"]),
+             (".", "look it up", "Checking", "stop", [])]
+    for stop, reasoning, content, finish, calls in cases:
+        r = c.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, temperature=0, stop=stop)
+        m = r.choices[0].message
+        assert (m.model_extra["reasoning"], m.content, r.choices[0].finish_reason) == (reasoning, content, finish), stop
+        assert [t.function.name for t in m.tool_calls or ()] == calls, stop
+        streamed = _streamed(c, model="scripted", messages=messages, tools=TOOLS, temperature=0, stop=stop)
+        assert ([t["name"] for t in streamed[0]], *streamed[1:4]) == (calls, reasoning, content, finish), stop
+    wait_idle(engine)
+
+
 def test_default_chat_template_kwargs(tokenizer, tmp_path):
     """`--default-chat-template-kwargs` (and a run trained thinking-off) renders requests that send no
     chat_template_kwargs thinking off; a request's own kwargs still win; bad defaults are one line."""

@@ -58,5 +58,5 @@ def test_a_long_stop_string_costs_its_length_not_its_square(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [stop])
     a = tokenizer.encode("a", add_special_tokens=False).ids
     released = "".join(detok.push(a) for _ in range(1000))
-    assert len(detok._pending) == len(stop) - 1 and released == "a" * (1000 - len(stop) + 1)
+    assert len(detok._stops._pending) == len(stop) - 1 and released == "a" * (1000 - len(stop) + 1)
     assert detok.push(tokenizer.encode("b", add_special_tokens=False).ids) == "" and detok.stopped

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
 from k3.data.image_processor import ImageProcessor
+from k3.serve.api.chat_reply import ChatReply
 from k3.serve.api.media import prepare_media
 from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics
@@ -359,27 +360,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, str(e), param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling(ctx, body, len(rendered.token_ids), body.max_new_tokens, top, [ctx.chat.eos])
+    # stop strings end the content the client sees (ChatReply), not the raw text with its tags
+    checker = ToolCallChecker(tools, parallel=body.parallel_tool_calls is not False)
+    reply = ChatReply(ctx.chat.parser_for(rendered), checker, params.stop)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     handle = _submit(ctx, rendered.token_ids, params, rid, boundaries=rendered.boundaries,
-                     eos_token_id=ctx.chat.end_of_msg, images=images)
+                     eos_token_id=ctx.chat.end_of_msg, images=images, text_view=reply)
     stream = _timed(ctx, handle, t0)
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
 
-    def new_reply():
-        return ctx.chat.parser_for(rendered), ToolCallChecker(tools, parallel=body.parallel_tool_calls is not False)
-
-    def finish_reason(d: StreamDelta, checker: ToolCallChecker) -> str:
+    def finish_reason(d: StreamDelta) -> str:
         return "tool_calls" if checker.calls and d.finish_reason == "stop" else d.finish_reason
 
     if not body.stream:
         deltas = await _collect(stream, request, handle)
-        parser, checker = new_reply()
-        for event in parser.feed([t for d in deltas for t in d.token_ids]) + parser.finish():
-            if event[0] == "tool_call":
-                checker.add(event[2])
-            elif event[0] == "tool_call_error":
-                checker.malformed(event[2])
-        reply = parser.reply
         message = {"role": "assistant", "content": reply.content if reply.content or not checker.calls else None}
         if reply.reasoning:
             message["reasoning"] = message["reasoning_content"] = reply.reasoning
@@ -387,7 +381,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             message["tool_calls"] = checker.calls
         if checker.errors:
             message["tool_call_errors"] = checker.errors
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason(deltas[-1], checker),
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(deltas[-1]),
                   "logprobs": _chat_logprobs(ctx.tokenizer, deltas) if body.logprobs else None}
         return {**base, "choices": [choice], "usage": _usage(deltas[-1])}
 
@@ -401,33 +395,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return _sse(c)
 
     async def sse():
-        parser, checker = new_reply()
         try:
             async with aclosing(stream) as deltas:
                 yield chunk({"role": "assistant", "content": ""})
                 async for d in deltas:
-                    events = parser.feed(d.token_ids) + (parser.finish() if d.finished else [])
                     lp = _chat_logprobs(ctx.tokenizer, [d]) if body.logprobs else None
-                    for event in events:
-                        kind = event[0]
+                    for kind, value in reply.take():
                         if kind == "tool_call":
-                            accepted = checker.add(event[2])
-                            if accepted is not None:
-                                yield chunk({"tool_calls": [accepted]})
-                        elif kind == "tool_call_error":
-                            checker.malformed(event[2])
+                            yield chunk({"tool_calls": [value]})
                         elif kind == "reasoning":
-                            yield chunk({"reasoning": event[1], "reasoning_content": event[1]}, logprobs=lp)
+                            yield chunk({"reasoning": value, "reasoning_content": value}, logprobs=lp)
                             lp = None
                         else:
-                            yield chunk({"content": event[1]}, logprobs=lp)
+                            yield chunk({"content": value}, logprobs=lp)
                             lp = None
                     if lp is not None and lp["content"]:
                         yield chunk({}, logprobs=lp)
                     if d.finished:
                         if checker.errors:
                             yield chunk({"tool_call_errors": checker.errors})
-                        yield chunk({}, finish_reason(d, checker))
+                        yield chunk({}, finish_reason(d))
                         if include_usage:
                             yield _sse({**base, "choices": [], "usage": _usage(d)})
         except EngineError as e:  # the status line is sent: the error goes in the stream
