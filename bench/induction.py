@@ -5,7 +5,7 @@ quality bars all wait on this).
     python -m bench.induction [--model k3|gpt-rope|gpt-nope|gpt-mla] [--steps 400] [--lr LR]
                               [--config k3-tiny] [--override '{"initializer_range": 0.05}']
                               [--optimizer per-head-muon|muon|adamw] [--clip 1.0] [--device cuda]
-                              [--torch-init mla|all] [--mla-std 0.02]
+                              [--torch-init mla|all] [--mla-std 0.02] [--weight-init zero-out|normal]
 
 Each row of a batch is 4 segments of 16 random tokens (ids 100-899), each shown twice; the
 held-out batch's loss on the second showing (after its first token) against the first showing
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from k3.model.mla import GatedMLA
 from k3.threads import configure
+from k3.train.init import INITS, init_for_training
 
 SEGMENTS, SEGMENT, BATCH, FIRST_ID, IDS = 4, 16, 16, 100, 800
 
@@ -118,6 +119,7 @@ def build(args):
                 m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("_res_proj"))
             for module in linears:
                 module.reset_parameters()
+        init_for_training(model, args.weight_init)
         model.to(args.device)
         groups = param_groups(model, config, weight_decay=0.1, optimizer=args.optimizer)
         opt = PerHeadMuon(groups, lr=args.lr or 4e-3, weight_decay=0.1)
@@ -173,11 +175,16 @@ def main() -> None:
                     help="k3 only: torch's default Linear init for the MLA projections or every Linear")
     ap.add_argument("--mla-std", type=float, default=None,
                     help="gpt-mla only: every MLA matrix drawn N(0, std), K3's init (default: torch's)")
+    ap.add_argument("--weight-init", choices=INITS, default=None,
+                    help=f"k3 only: how the model starts, as `k3 train --weight-init` (default {INITS[0]})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.torch_init and args.model != "k3":
         ap.error("--torch-init applies to --model k3 (the GPTs already use torch's init)")
+    if args.weight_init is not None and args.model != "k3":
+        ap.error("--weight-init applies to --model k3")
+    args.weight_init = args.weight_init or INITS[0]
     if args.mla_std is not None and args.model != "gpt-mla":
         ap.error("--mla-std applies to --model gpt-mla")
     print(configure(args.threads).describe())

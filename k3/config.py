@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,24 @@ MLP_LAYER_TYPES = ("dense", "sparse")  # `mlp_layer_types` entries: dense FFN, M
 # Our own runtime choices (not in the official schema); written under these names only.
 _K3_RUNTIME_KEYS = ("mla_impl", "kda_impl", "kda_chunk_size")
 MLA_IMPLS = ("auto", "naive", "absorb")
+
+
+_TYPE_NAMES = {"int": "an integer", "int | None": "an integer or null", "float": "a number",
+               "float | None": "a number or null", "bool": "true or false", "str": "a string",
+               "str | None": "a string or null", "list[int]": "a list of integers", "dict | None": "an object or null"}
+
+
+def _has_type(value, annotation: str) -> bool:
+    """`value` fits a K3Config field's annotation (as JSON has it: a bool is no number)."""
+    if annotation.endswith(" | None"):
+        return value is None or _has_type(value, annotation[:-len(" | None")])
+    if annotation == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if annotation == "list[int]":
+        return isinstance(value, (list, tuple)) and all(_has_type(v, "int") for v in value)
+    return isinstance(value, {"bool": bool, "str": str, "dict": dict}.get(annotation, object))
 
 
 class ConfigError(ValueError):
@@ -165,6 +184,10 @@ class K3Config:
             if not cond:
                 raise ConfigError(f"K3Config.{fieldname}: {msg}")
 
+        for f in dataclasses.fields(self):  # JSON types first: `true` is no layer count, "128" no width
+            value = getattr(self, f.name)
+            need(_has_type(value, f.type), f.name, f"must be {_TYPE_NAMES.get(f.type, f.type)}, got {value!r}")
+
         n = self.num_hidden_layers
         need(n >= 1, "num_hidden_layers", f"must be >= 1, got {n}")
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "kda_head_dim", "kda_num_heads",
@@ -245,8 +268,13 @@ class K3Config:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}")
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path} is not a JSON file: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} holds {type(data).__name__}, not a config object")
+        return cls.from_dict(data)
 
     def to_dict(self) -> dict:
         """The config.json dict; lossless for a config that came from a file."""

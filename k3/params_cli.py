@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+import sys
 
-from k3.config import load_config
+from k3.config import ConfigError, load_config
 from k3.model.multimodal import vision_config_of
 from k3.model.params import count_parameters, count_vision_parameters
 
@@ -14,10 +15,24 @@ def add_arguments(parser) -> None:
                         help="print JSON (keys: total, active, components; vision when the config has a vision_config)")
 
 
+def _configs(name: str):
+    """(text config, vision config or None) of a preset, VL preset or config.json."""
+    from k3.train.vl_config import VL_PRESETS, load_vl_config
+
+    if name in VL_PRESETS:
+        mm = load_vl_config(name)
+        return mm.text_config, mm.vision_config
+    config = load_config(name)
+    return config, vision_config_of(config)
+
+
 def run(args) -> int:
-    config = load_config(args.config)
+    try:
+        config, vision_config = _configs(args.config)
+    except (ConfigError, OSError, TypeError, ValueError) as e:  # unknown name, unreadable or invalid config.json
+        print(f"k3 params: error: {e}", file=sys.stderr)
+        return 2
     counts = count_parameters(config)
-    vision_config = vision_config_of(config)
     if vision_config is not None:  # a multimodal config.json: the encoder is counted apart (SPEC §7, §10)
         counts["vision"] = count_vision_parameters(vision_config)
     if args.json:

@@ -126,13 +126,19 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> dict:
         missing = [name for name in RESUME_FILES if not (folder / name).is_file()]
         raise ResumeStateError(f"{folder} has no {', '.join(missing)}: only the latest checkpoint of a run keeps "
                                f"the state to resume from")
-    state = json.loads((folder / TRAINER_STATE).read_text())
-    model_sd = official_to_state_dict(model.config, read_safetensors(folder))
-    set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
-    optim_sd = _unflatten_optimizer(load_file(str(folder / OPTIMIZER_FILE)), state["param_groups"])
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(state["scheduler"])
-    _restore_rng(load_file(str(folder / RNG_FILE)))
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text())
+        model_sd = official_to_state_dict(model.config, read_safetensors(folder))
+        set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
+        optim_sd = _unflatten_optimizer(load_file(str(folder / OPTIMIZER_FILE)), state["param_groups"])
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
+        scheduler.load_state_dict(state["scheduler"])
+        _restore_rng(load_file(str(folder / RNG_FILE)))
+    # a damaged file (truncated, not JSON, missing a key or shard) or weights of another shape than
+    # the run's config (an edited run.json) is the user's to fix: one line, never a traceback
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResumeStateError(f"cannot resume from {folder}: {type(e).__name__}: {reason}") from None
     return state
 
 

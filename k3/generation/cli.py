@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 from tokenizers.decoders import DecodeStream
 
 from k3.checkpoint.official import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
+from k3.device import parse_device
 from k3.generation.generate import generate
 from k3.text.tokenizer import load_tokenizer
 
@@ -30,14 +30,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.max_tokens < 1 or not 0 < args.top_p <= 1 or args.temperature < 0:
-        print("k3 generate: error: need --max-tokens >= 1, 0 < --top-p <= 1, --temperature >= 0", file=sys.stderr)
+    if args.max_tokens < 1 or not 0 < args.top_p <= 1 or not 0 <= args.temperature <= 2 or args.top_k < 0:
+        print("k3 generate: error: need --max-tokens >= 1, 0 < --top-p <= 1, 0 <= --temperature <= 2, --top-k >= 0",
+              file=sys.stderr)
         return 2
     try:
+        device = parse_device(args.device)
         folder = resolve_checkpoint(args.run)
         tokenizer = load_tokenizer(folder)
-        model = load_pretrained(folder, device=torch.device(args.device)).eval()
-    except (OSError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one: one line
+        model = load_pretrained(folder, device=device).eval()
+    except (OSError, ValueError) as e:  # not a checkpoint, a damaged one, no such device: one line
         print(f"k3 generate: error: {e}", file=sys.stderr)
         return 2
     cfg = model.config

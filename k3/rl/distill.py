@@ -106,7 +106,7 @@ class DistillTrainer(RLTrainer):
             domain, effort = cfg["domain"], cfg["effort"]
             tau = cfg["tau"] if cfg.get("tau") is not None else EFFORTS[effort].tau
             checkpoint = resolve_checkpoint(run)
-        except (OSError, ValueError, KeyError, FileNotFoundError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: run.json not an object
             raise TrainError(f"teacher {run} is not a `k3 rl` run: {e}") from None
         if load_tokenizer(checkpoint).to_str() != self.tokenizer.to_str():
             raise TrainError(f"teacher {run} has another tokenizer than the student: distill within one pipeline")

@@ -35,6 +35,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ import torch
 from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
 from k3.config import K3Config
+from k3.model.multimodal import vision_config_of
 from k3.model.transformer import K3ForCausalLM
 from k3.rl.domains import DOMAIN_CLASSES, Task, continue_with_tool_results, make_domain, needs_another_turn
 from k3.rl.effort import EFFORTS, Budget, cold_start_budgets, length_of, load_budgets, save_budgets, shaped_reward
@@ -127,9 +129,12 @@ def validate_rollout(s: RolloutSettings, world_size: int, verb: str, kl_coef: fl
                            "launch it without torchrun")
     check(s.steps >= 1 and s.prompts >= 1 and s.samples >= 1, "steps, prompts and samples must be >= 1")
     check(0 < s.stop_fraction <= 1, f"stop fraction must be in (0, 1], got {s.stop_fraction}")
-    check(s.temperature > 0, f"temperature must be > 0 (rollouts sample), got {s.temperature}")
+    # the serving engine's range (k3.serve.sampling): checked here, before anything is written
+    check(0 < s.temperature <= 2, f"temperature must be in (0, 2] (rollouts sample), got {s.temperature}")
     check(s.max_tokens >= 1 and s.pool >= 1 and s.heldout >= 1, "max tokens, pool and heldout must be >= 1")
-    check(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
+    check(0 < s.lr < math.inf, f"learning rate must be a finite number > 0, got {s.lr}")
+    check(0 <= s.weight_decay < math.inf, f"weight decay must be a finite number >= 0, got {s.weight_decay}")
+    check(0 < s.grad_clip <= math.inf, f"grad clip must be > 0 (inf: no clipping), got {s.grad_clip}")
     check(0 < s.min_lr_ratio <= 1, f"min lr ratio must be in (0, 1], got {s.min_lr_ratio}")
     check(s.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {s.optimizer!r}")
     check(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
@@ -218,7 +223,12 @@ class RLTrainer(Trainer):
                 model = load_pretrained(self.init_checkpoint)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             raise TrainError(f"cannot load the initial checkpoint: {e}") from None
-        self.tokenizer = load_tokenizer(self.run_dir if resume else self.init_checkpoint)
+        if vision_config_of(model.config) is not None:  # its checkpoints would lose the tower
+            raise TrainError(f"{settings.init} is a vision-language model: k3 {verb} trains text models")
+        try:
+            self.tokenizer = load_tokenizer(self.run_dir if resume else self.init_checkpoint)
+        except (FileNotFoundError, ValueError) as e:  # a checkpoint saved without it, or a damaged one
+            raise TrainError(f"cannot load the tokenizer: {e}") from None
         self._adopt_tokenizer(model.config)
         try:
             self.chat = XTML(self.tokenizer)

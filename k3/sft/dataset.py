@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3.data.jsonl import jsonl_records
+from k3.data.jsonl import jsonl_records, strict_loads
 from k3.text.tool_schema import compile_parameters
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -100,10 +100,12 @@ def _check_call(i: int, k: int, call, declared: set[str] | None) -> str:
         raise _Bad(f"message {i}: tool call {k} ({name}) has no arguments")
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = strict_loads(args)
         except json.JSONDecodeError as e:
             raise _Bad(f"message {i}: tool call {k} ({name}): arguments are not valid JSON "
                        f"({e.msg} at column {e.colno})") from None
+        except ValueError as e:
+            raise _Bad(f"message {i}: tool call {k} ({name}): arguments are not valid JSON ({e})") from None
     if not isinstance(args, dict):
         raise _Bad(f"message {i}: tool call {k} ({name}): arguments must be a JSON object")
     return call_id

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
 from k3.config import K3Config
+from k3.model.multimodal import vision_config_of
 from k3.model.transformer import K3ForCausalLM
 from k3.sft import default_set
 from k3.sft.agent_eval import run_episodes
@@ -109,8 +110,13 @@ class SFTTrainer(Trainer):
                 model = load_pretrained(source)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             raise TrainError(f"cannot load the initial checkpoint: {e}") from None
+        if vision_config_of(model.config) is not None:  # its checkpoint would lose the tower
+            raise TrainError(f"{settings.init} is a vision-language model: k3 sft trains text models")
         _validate(settings, self.world.size, model.config.max_position_embeddings)
-        self.tokenizer = load_tokenizer(self.run_dir if resume else source)
+        try:
+            self.tokenizer = load_tokenizer(self.run_dir if resume else source)
+        except (FileNotFoundError, ValueError) as e:  # a checkpoint saved without it, or a damaged one
+            raise TrainError(f"cannot load the tokenizer: {e}") from None
         self._adopt_tokenizer(model.config)
         try:
             self.chat = XTML(self.tokenizer)

@@ -93,7 +93,11 @@ def load_tokenizer(directory_or_file: str | Path) -> Tokenizer:
         path = path / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} at {path}")
-    return prepare(Tokenizer.from_file(str(path)))
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers reports a damaged file as a bare Exception
+        raise ValueError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return prepare(tokenizer)
 
 
 def tokenizer_fingerprint(texts: list[str], vocab_size: int) -> str:

@@ -17,6 +17,7 @@ from k3.checkpoint.run_folder import latest_checkpoint
 from k3.checkpoint.training_state import CheckpointSaveError, ResumeStateError
 from k3.config import ConfigError
 from k3.data.corpus import DataError
+from k3.train.init import INITS
 from k3.train.muon import OPTIMIZERS
 from k3.train.trainer import BALANCE_RULES, Trainer, TrainError, TrainSettings
 
@@ -65,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-share", type=float,
                    help="share of the training bytes that are copy-shaped documents (random word sequences shown "
                         "twice), so a small model learns to copy; validation stays the corpus's (default 0)")
+    p.add_argument("--weight-init", choices=INITS,
+                   help="a model from scratch: zero-out starts each residual branch's last projection at zero "
+                        "(nanochat's init; k3-tiny learns to copy in context several times sooner), normal keeps "
+                        f"K3's N(0, initializer_range) everywhere (default {d.weight_init})")
     p.add_argument("--out", help="run folder (default runs/<config>-<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint, with its saved settings")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
@@ -136,8 +141,10 @@ def train_verb(verb: str, args, trainer_class, settings, errors: tuple) -> tuple
     result), or the exit code: 2 for the `errors` (one line), 130 on Ctrl-C, 1 when a save fails."""
     try:
         if args.resume:
-            given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
-                     if v not in (None, False) and k not in ("resume", "no_progress")]
+            # every flag of a training verb defaults to None (store_false ones too), so anything else was given
+            flag = {"overrides": "set", "share_prompts": "no_share_prompts", "share_prefixes": "no_share_prefixes"}
+            given = [f"--{flag.get(k, k).replace('_', '-')}" for k, v in vars(args).items()
+                     if v is not None and k not in ("resume", "no_progress")]
             if given:
                 raise TrainError(f"--resume continues a run with its saved settings; drop {' '.join(given)}")
             trainer = trainer_class.from_run(args.resume, progress=not args.no_progress)

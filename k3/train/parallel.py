@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from k3 import device as k3_device
 from k3.train.errors import TrainError
 
 
@@ -37,17 +38,9 @@ class World:
 def parse_device(device: str) -> torch.device:
     """`cpu`, `cuda` or `cuda:N`, checked against this machine; TrainError otherwise."""
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise TrainError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise TrainError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainError(f"--device {device} requested but no CUDA device is available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise TrainError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return dev
+        return k3_device.parse_device(device)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
 
 
 def init_world(device: str) -> World:

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from k3.atomic import write_atomic
+from k3.atomic import write_atomic, write_text_atomic
 from k3.checkpoint import training_state as ckpt
 from k3.checkpoint.run_folder import latest_checkpoint
-from k3.config import ConfigError, K3Config, load_config
+from k3.config import PRESETS, ConfigError, K3Config, load_config
 from k3.data.copy_corpus import copy_documents
 from k3.data.corpus import load_documents, split_documents
 from k3.generation.generate import generate
@@ -46,6 +46,7 @@ from k3.text.tokenizer import (
 )
 from k3.train.balance import balance_step, expert_loads
 from k3.train.errors import TrainError
+from k3.train.init import INITS, init_for_training
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
 from k3.train.muon import OPTIMIZERS, PerHeadMuon, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, pack, window, windows_for_step
@@ -61,6 +62,7 @@ from k3.train.parallel import (
 )
 from k3.train.progress import Progress
 from k3.train.schedule import warmup_cosine
+from k3.train.vl_config import VL_PRESETS
 
 RUN_FILE = "run.json"
 BALANCE_RULES = ("quantile", "histogram", "sign", "none")
@@ -77,6 +79,7 @@ class TrainSettings:
     overrides: dict = dataclasses.field(default_factory=dict)  # K3Config fields to change, e.g. {"num_hidden_layers": 4}
     data: str | None = None  # None: the bundled Shakespeare corpus
     copy_share: float = 0.0  # share of the training bytes that are copy-shaped documents (k3.data.copy_corpus)
+    weight_init: str = "zero-out"  # how a model from scratch starts: zero-out | normal (k3.train.init)
     out: str | None = None  # run folder; None: runs/<config>-<timestamp>
     steps: int = 250
     batch_size: int = 8  # sequences per optimizer step, over all ranks and micro-batches
@@ -130,20 +133,48 @@ def validate_common(s, world_size: int, max_positions: int) -> None:
           f"batch size {s.batch_size} must be divisible by world size {world_size} x grad accumulation {s.grad_accum}")
     _need(2 <= s.seq_len <= max_positions,
           f"sequence length {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
-    _need(s.lr > 0, f"learning rate must be > 0, got {s.lr}")
+    _need(0 < s.lr < math.inf, f"learning rate must be a finite number > 0, got {s.lr}")
+    _need(0 <= s.weight_decay < math.inf, f"weight decay must be a finite number >= 0, got {s.weight_decay}")
+    # a clip <= 0 would zero (or, below 0, reverse) every gradient
+    _need(0 < s.grad_clip <= math.inf, f"grad clip must be > 0 (inf: no clipping), got {s.grad_clip}")
     optimizer = getattr(s, "optimizer", OPTIMIZERS[0])  # settings of other verbs may not choose one
     _need(optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    init = getattr(s, "weight_init", INITS[0])  # only verbs that build a model from scratch choose one
+    _need(init in INITS, f"weight init must be one of {', '.join(INITS)}, got {init!r}")
     _need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
     _need(s.keep >= 1 and s.ckpt_every >= 1 and s.eval_every >= 1, "keep, ckpt-every and eval-every must be >= 1")
 
 
 def _validate(s: TrainSettings, world: World, max_positions: int, vocab_size: int) -> None:
     validate_common(s, world.size, max_positions)
+    dp = world.size // s.ep if s.dp is None and s.ep >= 1 else s.dp
+    _need(s.ep >= 1 and dp >= 1 and s.ep * dp == world.size,  # before anything is written
+          f"--ep {s.ep} x --dp {dp} must equal the world size {world.size}")
     _need(s.eval_windows is None or s.eval_windows >= 1, f"eval windows must be >= 1, got {s.eval_windows}")
     _need(0.0 <= s.copy_share < 1.0, f"copy share must be in [0, 1), got {s.copy_share}")
     _need(isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size >= MIN_VOCAB_SIZE,
           f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (the byte-level BPE's special + 256 byte tokens), "
           f"got {vocab_size!r}")
+
+
+# settings that name files or folders: run.json keeps them absolute, so `--resume` from another
+# working directory reads the same files (a preset name stays a name)
+PATH_SETTINGS = ("config", "data", "val_data", "cache_dir", "init", "teachers")
+
+
+def run_record(settings) -> dict:
+    """`settings` as run.json stores them."""
+    record = dataclasses.asdict(settings)
+
+    def absolute(value):
+        return str(Path(value).resolve()) if isinstance(value, str) and value and Path(value).exists() else value
+
+    for key in PATH_SETTINGS:
+        if key not in record or (key == "config" and record[key] in {**PRESETS, **VL_PRESETS}):
+            continue
+        value = record[key]
+        record[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+    return record
 
 
 def model_config(config: str, overrides: dict) -> K3Config:
@@ -188,7 +219,7 @@ class Trainer:
         self._setup_data(settings, config, resume)
         self._write_run_files(settings, resume)
         torch.manual_seed(settings.seed)
-        self._setup_model(self._new_model(), resume)
+        self._setup_model(init_for_training(self._new_model(), settings.weight_init), resume)
 
     def _validate_settings(self, settings: TrainSettings, config: K3Config) -> None:
         _validate(settings, self.world, config.max_position_embeddings, config.vocab_size)
@@ -266,7 +297,7 @@ class Trainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise TrainError(f"cannot create output dir {self.run_dir}: {e.strerror}") from None
-            (self.run_dir / RUN_FILE).write_text(json.dumps(dataclasses.asdict(settings), indent=2) + "\n")
+            write_text_atomic(self.run_dir / RUN_FILE, json.dumps(run_record(settings), indent=2) + "\n")
             self.save_tokenizer_to(self.run_dir)
         self.metrics = MetricsLog(self.run_dir)
 

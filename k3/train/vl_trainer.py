@@ -99,7 +99,8 @@ def _validate_vl(s: VLSettings, config: K3MultimodalConfig, world_size: int = 1)
          f"VL scenes per step (--vl-scenes) must be >= 0 and divisible by world size {world_size} x grad accumulation "
          f"{s.grad_accum}, got {s.vl_scenes}")
     need(s.vl_questions >= 1, f"questions per scene must be >= 1, got {s.vl_questions}")
-    need(s.image_size >= 42, f"image size must be >= 42 px (the corpus's 3 x 3 grid), got {s.image_size}")
+    # an upper bound too: a canvas of 100,000 px is tens of GB before the processor's own budget applies
+    need(42 <= s.image_size <= 1024, f"image size must be 42..1024 px (the corpus's 3 x 3 grid), got {s.image_size}")
     need(s.vl_loss_weight >= 0, f"VL loss weight must be >= 0, got {s.vl_loss_weight}")
     need(s.vqa_eval >= 1 and s.max_answer_tokens >= 1 and s.baseline_examples >= 1,
          "held-out questions, max answer tokens and baseline examples must be >= 1")

@@ -75,3 +75,34 @@ def test_resume_state_only_in_the_latest_checkpoint(tmp_path, keep_all_state):
             ckpt.load_checkpoint(kept[0], *parts)
     state = ckpt.load_checkpoint(kept[-1], *parts)
     assert state["step"] == 4
+
+
+def _truncate(path, n=1000):
+    path.write_bytes(path.read_bytes()[:n])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: _truncate(next(d.glob("model*.safetensors"))),
+    lambda d: _truncate(d / ckpt.OPTIMIZER_FILE),
+    lambda d: (d / ckpt.RNG_FILE).write_bytes(b""),
+    lambda d: (d / ckpt.TRAINER_STATE).write_text("{"),
+    lambda d: (d / ckpt.TRAINER_STATE).write_text("{}"),
+], ids=["model", "optimizer", "rng", "state-not-json", "state-empty"])
+def test_a_damaged_checkpoint_is_one_resume_error(tmp_path, damage):
+    """A truncated or emptied file is a one-line ResumeStateError naming the folder, not a traceback."""
+    parts = _parts()
+    folder = _save(tmp_path / "checkpoints", 1, parts, keep=1)
+    damage(folder)
+    with pytest.raises(ckpt.ResumeStateError) as err:
+        ckpt.load_checkpoint(folder, *parts)
+    assert str(err.value).startswith(f"cannot resume from {folder}: ") and "\n" not in str(err.value)
+
+
+def test_weights_of_another_shape_are_one_resume_error(tmp_path):
+    """An edited run.json (another width) builds a model the checkpoint does not fit."""
+    folder = _save(tmp_path / "checkpoints", 1, _parts(), keep=1)
+    other = K3ForCausalLM(small_config().replace(hidden_size=small_config().hidden_size * 2))
+    optimizer = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with pytest.raises(ckpt.ResumeStateError, match="cannot resume from"):
+        ckpt.load_checkpoint(folder, other, optimizer, scheduler)

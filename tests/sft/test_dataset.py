@@ -69,6 +69,8 @@ BAD = [
      "has no 'function' object"),
     ("invalid JSON arguments", _call(arguments='{"expression": '), "arguments are not valid JSON"),
     ("arguments not an object", _call(arguments="[1]"), "arguments must be a JSON object"),
+    ("NaN in arguments", _call(arguments='{"expression": NaN}'), "NaN is not a JSON number"),
+    ("number beyond a double", _call(arguments='{"expression": 1e999}'), "1e999 overflows a double"),
     ("missing arguments", _call(arguments=None), "has no arguments"),
     ("undeclared tool", _call(name="weather"), "'weather', which is not among the declared tools"),
     ("unknown call id", _message(2, tool_call_id="call_9"), "unknown call id 'call_9'"),

@@ -109,7 +109,8 @@ def test_generate_streams_text(reference_run, capsys):
 
 @pytest.mark.parametrize("case", ["missing-data", "empty-corpus", "unknown-preset", "seq-too-long", "unwritable-out",
                                   "resume-with-flags", "bad-device", "cuda-missing", "small-vocab",
-                                  "resume-corrupt-run", "resume-unknown-key"])
+                                  "resume-corrupt-run", "resume-unknown-key", "negative-grad-clip", "wrong-type-set",
+                                  "infinite-lr"])
 def test_bad_input_is_a_clear_error_with_no_output(tmp_path, capsys, case):
     out = tmp_path / "run"
     argv = ["--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
@@ -136,6 +137,12 @@ def test_bad_input_is_a_clear_error_with_no_output(tmp_path, capsys, case):
         argv += ["--device", "cuda"]
     elif case == "small-vocab":
         argv += ["--set", "vocab_size=100"]
+    elif case == "negative-grad-clip":  # was accepted: gradient ascent
+        argv += ["--grad-clip", "-1"]
+    elif case == "wrong-type-set":  # was accepted: `true` trained a 1-layer model
+        argv += ["--set", "num_hidden_layers=true"]
+    elif case == "infinite-lr":
+        argv += ["--lr", "inf"]
     elif case in ("resume-corrupt-run", "resume-unknown-key"):
         out.mkdir()
         (out / "run.json").write_text('{"steps": 3' if case == "resume-corrupt-run" else '{"steps": 3, "bogus": 1}')
@@ -146,12 +153,26 @@ def test_bad_input_is_a_clear_error_with_no_output(tmp_path, capsys, case):
                 "seq-too-long": "sequence length 100000", "unwritable-out": "not writable",
                 "resume-with-flags": "drop --steps", "bad-device": "device must be", "cuda-missing": "no CUDA",
                 "small-vocab": "vocab_size must be an integer >= 263", "resume-corrupt-run": "not a readable run file",
-                "resume-unknown-key": "unknown settings ['bogus']"}[case]
+                "resume-unknown-key": "unknown settings ['bogus']", "negative-grad-clip": "grad clip must be > 0",
+                "wrong-type-set": "K3Config.num_hidden_layers: must be an integer, got True",
+                "infinite-lr": "learning rate must be a finite number > 0"}[case]
     assert err.startswith("k3 train: error:") and expected in err and err.count("\n") == 1, err
     if case.startswith("resume-c") or case.startswith("resume-u"):
         assert sorted(p.name for p in out.iterdir()) == ["run.json"]
     else:
         assert not out.exists()
+
+
+def test_run_json_keeps_paths_absolute(tmp_path, monkeypatch):
+    """Relative --config / --data / --cache-dir resolve against the working directory of the first
+    launch; run.json stores them absolute so --resume from elsewhere reads the same files. A preset
+    name stays a name, an absent path stays as given."""
+    from k3.train.trainer import run_record
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("x")
+    (tmp_path / "k3-tiny").mkdir()  # a folder named like a preset does not make the preset a path
+    record = run_record(TrainSettings(data="corpus.txt", cache_dir="nowhere", config="k3-tiny"))
+    assert (record["data"], record["cache_dir"], record["config"]) == (str(tmp_path / "corpus.txt"), "nowhere", "k3-tiny")
 
 
 def test_grad_accumulation_matches_one_micro_batch(tmp_path):
