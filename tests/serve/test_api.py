@@ -223,6 +223,23 @@ def test_chat_stop_strings_cut_the_content_only(scripted):
     wait_idle(engine)
 
 
+def test_chat_logprob_bytes_rebuild_a_reply_of_split_characters(tokenizer):
+    """Characters this tokenizer never saw are split over byte tokens: each token's text is then
+    U+FFFD, but its `bytes` are its own, so the content tokens' bytes joined are the content."""
+    content = "Sunny \u2600 and caf\u00e9 \U0001F600."
+    model = scripted_chat_model(tokenizer, {"role": "assistant", "content": content})
+    engine = LLMEngine(model, EngineConfig(block_size=16, hash_block_size=64, max_model_len=2048))
+    with ServerThread(build_app(AsyncEngine(engine, tokenizer), tokenizer, model_name="m")) as server:
+        r = client(server).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Weather?"}], temperature=0, logprobs=True,
+            top_logprobs=2)
+    assert r.choices[0].message.content == content
+    entries = r.choices[0].logprobs.content
+    joined = b"".join(bytes(e.bytes) for e in entries)
+    assert content.encode() in joined and any(e.token == "\ufffd" for e in entries)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].bytes for e in entries)
+
+
 def test_default_chat_template_kwargs(tokenizer, tmp_path):
     """`--default-chat-template-kwargs` (and a run trained thinking-off) renders requests that send no
     chat_template_kwargs thinking off; a request's own kwargs still win; bad defaults are one line."""

@@ -185,16 +185,21 @@ def _token_text(tok: Tokenizer, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
-def _chat_logprobs(tok: Tokenizer, deltas: list[StreamDelta]) -> dict | None:
+def _chat_logprobs(chat: XTML, deltas: list[StreamDelta]) -> dict | None:
+    """OpenAI's `logprobs.content`. `bytes` are each token's own bytes (a token holding part of a
+    character decodes to U+FFFD as text, but the bytes joined give the reply back); the chat
+    markers, which stand for no bytes, give their text's."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = _token_text(chat.tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(chat.token_bytes[token_id] or text.encode())}
+
     entries = []
     for d in deltas:
         for t in d.tokens:
             if t.logprob is None:
                 return None
-            s = _token_text(tok, t.token_id)
-            top = [{"token": (ts := _token_text(tok, i)), "logprob": lp, "bytes": list(ts.encode())}
-                   for i, lp in t.top_logprobs or ()]
-            entries.append({"token": s, "logprob": t.logprob, "bytes": list(s.encode()), "top_logprobs": top})
+            top = [entry(i, lp) for i, lp in t.top_logprobs or ()]
+            entries.append({**entry(t.token_id, t.logprob), "top_logprobs": top})
     return {"content": entries}
 
 
@@ -382,7 +387,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if checker.errors:
             message["tool_call_errors"] = checker.errors
         choice = {"index": 0, "message": message, "finish_reason": finish_reason(deltas[-1]),
-                  "logprobs": _chat_logprobs(ctx.tokenizer, deltas) if body.logprobs else None}
+                  "logprobs": _chat_logprobs(ctx.chat, deltas) if body.logprobs else None}
         return {**base, "choices": [choice], "usage": _usage(deltas[-1])}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -399,7 +404,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             async with aclosing(stream) as deltas:
                 yield chunk({"role": "assistant", "content": ""})
                 async for d in deltas:
-                    lp = _chat_logprobs(ctx.tokenizer, [d]) if body.logprobs else None
+                    lp = _chat_logprobs(ctx.chat, [d]) if body.logprobs else None
                     for kind, value in reply.take():
                         if kind == "tool_call":
                             yield chunk({"tool_calls": [value]})
