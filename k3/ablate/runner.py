@@ -27,7 +27,7 @@ from pathlib import Path
 
 from k3.ablate.studies import Planned, Scale, Study, plan
 from k3.atomic import write_text_atomic
-from k3.train.trainer import RUN_FILE, Trainer, TrainSettings
+from k3.train.trainer import RUN_FILE, Trainer, TrainSettings, absolute_paths
 
 MEASURES_FILE = "measures.json"
 SWEEP_EXTEND = 3  # how far a learning-rate grid may grow past its edges: bounds the search
@@ -40,8 +40,9 @@ _NOT_IDENTITY = ("out", "cache_dir")  # where a run is written or its tokens cac
 def run_id(settings: dict) -> str:
     """`s<seed>-<hash>` of the settings that differ from TrainSettings' defaults: a setting added
     later with a default that keeps old behaviour does not rename finished runs."""
-    d = json.loads(json.dumps(settings))
+    d = absolute_paths(json.loads(json.dumps(settings)))  # as run.json stores them
     d["device"] = str(d.get("device", "cpu")).split(":")[0]  # cuda:1 trains what cuda:0 trains
+    d.setdefault("weight_init", "normal")  # a run.json from before the setting drew K3's normal init
     key = {k: v for k, v in d.items() if k not in _NOT_IDENTITY and (k not in _DEFAULTS or v != _DEFAULTS[k])}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return f"s{d.get('seed', 0)}-{digest}"

@@ -164,7 +164,12 @@ PATH_SETTINGS = ("config", "data", "val_data", "cache_dir", "init", "teachers")
 
 def run_record(settings) -> dict:
     """`settings` as run.json stores them."""
-    record = dataclasses.asdict(settings)
+    return absolute_paths(dataclasses.asdict(settings))
+
+
+def absolute_paths(record: dict) -> dict:
+    """A settings dict with its PATH_SETTINGS that exist here made absolute (a copy)."""
+    record = dict(record)
 
     def absolute(value):
         return str(Path(value).resolve()) if isinstance(value, str) and value and Path(value).exists() else value

@@ -127,6 +127,9 @@ def test_run_id_ignores_settings_at_their_default(tmp_path):
     old = {k: v for k, v in s.items() if k != "grad_accum"}  # as if grad_accum did not exist yet
     assert run_id(old) == run_id(s) != run_id({**s, "grad_accum": 2})
     assert run_id({**s, "device": "cuda:1"}) == run_id({**s, "device": "cuda"})
+    # except a default that changed behaviour: a run.json from before weight_init drew the normal init
+    before_init = {k: v for k, v in s.items() if k != "weight_init"}
+    assert run_id(before_init) == run_id({**s, "weight_init": "normal"}) != run_id(s)
     stale = tmp_path / "runs" / "s1-000000000000"
     stale.mkdir(parents=True)
     (stale / "run.json").write_text(json.dumps(old))
