@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def _error(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if args.max_shard_bytes < 1:
+        return _error(f"--max-shard-bytes must be >= 1, got {args.max_shard_bytes}")
     try:
         src = resolve_checkpoint(args.model)
         if is_packed_checkpoint(src):
@@ -64,11 +67,20 @@ def run(args: argparse.Namespace) -> int:
         rows = quantization_report(text)
     except (FileNotFoundError, ValueError) as e:  # not a checkpoint, a damaged or mismatched one
         return _error(str(e))
-    (save_packed_multimodal if multimodal else save_packed)(model, out, max_shard_bytes=args.max_shard_bytes)
-    for f in sorted(src.glob("tokenizer*")):
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
-    (out / REPORT_FILE).write_text(json.dumps(rows, indent=2) + "\n")
+    # written beside the output and renamed into place: a failed or killed run leaves no half checkpoint
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        (save_packed_multimodal if multimodal else save_packed)(model, tmp, max_shard_bytes=args.max_shard_bytes)
+        for f in sorted(src.glob("tokenizer*")):
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        (tmp / REPORT_FILE).write_text(json.dumps(rows, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return _error(f"cannot write {out}: {e.strerror or e}")
     _print_report(rows)
     vision = ", vision tower and projector bf16" if multimodal else ""
     print(f"wrote {out} (MXFP4 routed experts, bf16 elsewhere{vision}); report in {out / REPORT_FILE}")

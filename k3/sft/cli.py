@@ -50,6 +50,11 @@ def _settings(args) -> SFTSettings:
     init = args.init_run or args.init_model
     if not init:
         raise TrainError("say where to start: --run RUN_DIR (a `k3 train` run) or --model CHECKPOINT_DIR")
+    # flags that the other data source would silently ignore
+    if args.data is None and args.val_data is not None:
+        raise TrainError("--val-data goes with --data (the default set has its own held-out split)")
+    if args.data is not None and (args.train_size is not None or args.val_size is not None):
+        raise TrainError("--train-size and --val-size size the default set; with --data every conversation is used")
     return dataclasses.replace(_DEFAULTS, **changes, init=init)
 
 

@@ -69,7 +69,12 @@ def cached_token_stream(cache_dir: Path, tok: Tokenizer, texts: list[str], bos_i
     folder = Path(cache_dir) / h.hexdigest()[:20]
     tok_path, start_path = folder / "tokens.npy", folder / "doc_starts.npy"
     if tok_path.is_file() and start_path.is_file():
-        return TokenStream(np.load(tok_path), np.load(start_path))
+        try:  # a damaged entry (a disk filled mid-copy, a stray edit) is rebuilt, never trusted
+            tokens, starts = np.load(tok_path, allow_pickle=False), np.load(start_path, allow_pickle=False)
+            if tokens.ndim == 1 and starts.ndim == 1 and len(starts) and int(starts[-1]) < len(tokens):
+                return TokenStream(tokens, starts)
+        except (OSError, ValueError, EOFError):
+            pass
     stream = tokenize_documents(tok, texts, bos_id, eos_id)
     folder.mkdir(parents=True, exist_ok=True)
     for path, array in ((tok_path, stream.tokens), (start_path, stream.doc_starts)):

@@ -44,6 +44,11 @@ def test_quantize_verb(tmp_path, capsys):
     assert _quantize(tmp_path / "dense", tmp_path / "mx") == 2
     err = capsys.readouterr().err
     assert "k3 quantize: error: " in err and "already quantized" in err
+    # a write that fails leaves neither the output nor a temp folder behind
+    (tmp_path / "blocked").write_text("a file where the output's parent should be")
+    assert _quantize(tmp_path / "dense", tmp_path / "blocked" / "mx") == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked", "dense", "mx"]
 
 
 def test_expert_dims_not_multiples_of_32_are_a_one_line_error(tmp_path, capsys):

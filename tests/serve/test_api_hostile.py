@@ -252,7 +252,8 @@ def test_health_answers_while_a_big_prompt_tokenizes(server):
         waits.append(time.monotonic() - t0)
         time.sleep(0.05)
     worker.join(60)
-    assert error_of(result["r"], 400)["code"] == "context_length_exceeded"
+    error = error_of(result["r"], 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
     assert waits and max(waits) < 1.0, waits
 
 

@@ -102,6 +102,20 @@ def test_bad_sft_data_is_one_line_naming_the_line_and_writes_nothing(case, pretr
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags,what", [(["--val-data", "x.jsonl"], "--val-data goes with --data"),
+                                        (["--data", "x.jsonl", "--train-size", "5"], "size the default set")])
+def test_flags_the_data_source_would_ignore_are_refused(flags, what, pretrained, tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "out"
+    assert run(parser.parse_args(["--run", str(pretrained), "--out", str(out), "--no-progress", *flags])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("k3 sft: error: ") and what in err and "\n" not in err, err
+    assert not out.exists()
+
+
 def test_sft_refuses_a_tokenizer_without_the_chat_markers(pretrained, tmp_path):
     from k3.train.errors import TrainError
 

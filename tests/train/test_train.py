@@ -220,6 +220,20 @@ def test_token_cache_temp_names_are_per_process(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
 
 
+def test_a_damaged_token_cache_entry_is_rebuilt(tmp_path):
+    from k3.text.tokenizer import special_ids, train_tokenizer
+    from k3.train import packing
+
+    texts = ["one document", "another document"]
+    tok = train_tokenizer(texts, 300)
+    ids = special_ids(tok)
+    stream = packing.cached_token_stream(tmp_path, tok, texts, ids["bos"], ids["eos"])
+    (cached,) = tmp_path.rglob("tokens.npy")
+    cached.write_bytes(cached.read_bytes()[:40])  # truncated
+    again = packing.cached_token_stream(tmp_path, tok, texts, ids["bos"], ids["eos"])
+    assert (again.tokens == stream.tokens).all() and (packing.np.load(cached) == stream.tokens).all()
+
+
 def test_failed_setup_shuts_the_process_group_down(tmp_path, monkeypatch):
     """An error after init_world (here: an unknown preset) must not leave a process group behind."""
     from k3.train import trainer as trainer_mod

@@ -69,7 +69,8 @@ def _sampling(ctx: ServingContext, body, prompt_len: int, max_new: int | None, l
     room = ctx.engine.engine.max_model_len - prompt_len
     if room < 1 and max_new != 0:
         raise APIError(400, f"the prompt ({prompt_len} tokens) fills the model length "
-                            f"({ctx.engine.engine.max_model_len})", param="messages", code="context_length_exceeded")
+                            f"({ctx.engine.engine.max_model_len})", code="context_length_exceeded",
+                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
     if max_new is not None and max_new > room:
         raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) exceeds the model length "
                             f"({ctx.engine.engine.max_model_len})", param="max_tokens", code="context_length_exceeded")
