@@ -216,7 +216,9 @@ class RLTrainer(Trainer):
         self._prepare_run_dir(settings, resume)
         own = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
         try:
-            self.init_checkpoint = resolve_checkpoint(settings.init)
+            # a resumed run needs its init only as the KL reference: without one it may have moved
+            needs_init = own is None or getattr(settings, "kl_coef", 0.0) > 0
+            self.init_checkpoint = resolve_checkpoint(settings.init) if needs_init else None
             if own is not None:
                 model = K3ForCausalLM(K3Config.from_dict(read_json(own / "config.json")))
             else:

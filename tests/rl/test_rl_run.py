@@ -88,6 +88,21 @@ def test_synchronous_run_finishes_every_episode_and_resumes(init_run, tmp_path, 
         resumed.close()
 
 
+def test_resume_needs_the_init_run_only_as_a_kl_reference(init_run, tmp_path, varied_rewards):
+    """The checkpoint holds the model: with kl 0 a run resumes after its init run was moved away."""
+    import shutil
+
+    init = tmp_path / "init"
+    shutil.copytree(init_run, init)
+    rl(settings(init, tmp_path / "r", stop_fraction=1.0, steps=2))
+    shutil.rmtree(init)
+    resumed = RLTrainer.from_run(tmp_path / "r", progress=False, log=quiet)
+    try:
+        assert resumed.step == 2
+    finally:
+        resumed.close()
+
+
 def test_tool_episode_continues_with_the_tool_result(init_run, tmp_path):
     trainer = RLTrainer(settings(init_run, tmp_path / "t", domain="tool", budget_samples=1, max_tokens=4),
                         progress=False, log=quiet)
