@@ -11,6 +11,7 @@ failing the batch: the engine finishes that request alone with finish reason "er
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 
@@ -25,6 +26,15 @@ MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound
 # per-token cost of matching (the OpenAI API also allows at most 4).
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+
+
+def generator_seed(seed: int) -> int:
+    """A request's seed as torch's CPU generator takes it. It keeps 32 bits, so 5 and 2**32 + 5 drew
+    the same stream: seeds outside [0, 2**32) are hashed into that range instead (the API takes any
+    64-bit integer); those inside it are used as they are."""
+    if 0 <= seed < 2**32:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"k3-seed|{seed}".encode()).digest()[:4], "big")
 
 
 @dataclass
@@ -89,7 +99,7 @@ class Sampler:
             return self._generator
         gen = self._per_request.get(request_id)
         if gen is None:
-            gen = self._per_request[request_id] = torch.Generator().manual_seed(params.seed)
+            gen = self._per_request[request_id] = torch.Generator().manual_seed(generator_seed(params.seed))
         return gen
 
     def forget(self, request_id: str) -> None:

@@ -74,3 +74,14 @@ def test_a_failing_row_fails_alone():
     assert all(out[n].error is None for n in (0, 2, 3))
     assert out[0].token_id == Sampler().sample(logits[:1], ["a"], params[:1])[0].token_id
     assert [out[2].token_id, out[3].token_id] == logits[2:].argmax(-1).tolist()
+
+
+def test_seeds_apart_by_2_to_the_32_draw_different_streams():
+    """torch's CPU generator keeps a seed's low 32 bits; the API takes 64-bit seeds."""
+    logits = torch.randn(1, 5000)
+    draws = {}
+    for seed in (5, 2**32 + 5, -(2**32) + 5):
+        sampler = Sampler()
+        p = SamplingParams(temperature=1.0, seed=seed)
+        draws[seed] = [sampler.sample(logits, ["r"], [p])[0].token_id for _ in range(8)]
+    assert len({tuple(v) for v in draws.values()}) == 3, draws
