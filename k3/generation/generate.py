@@ -13,6 +13,7 @@ from k3.model.cache import K3Cache
 
 # the smallest normal fp32 number: below it a temperature is (or rounds to) zero in fp32
 GREEDY_BELOW = torch.finfo(torch.float32).tiny
+MAX_TEMPERATURE = 2.0  # the OpenAI API's bound; every verb that samples takes the same range
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

@@ -35,7 +35,6 @@ import base64
 import dataclasses
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +44,7 @@ import torch
 from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
 from k3.config import K3Config
-from k3.model.multimodal import vision_config_of
+from k3.generation.generate import MAX_TEMPERATURE
 from k3.model.transformer import K3ForCausalLM
 from k3.rl.domains import DOMAIN_CLASSES, Task, continue_with_tool_results, make_domain, needs_another_turn
 from k3.rl.effort import EFFORTS, Budget, cold_start_budgets, length_of, load_budgets, save_budgets, shaped_reward
@@ -53,12 +52,11 @@ from k3.rl.episodes import run_episodes, summarize
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, policy_loss, token_logprobs
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
 from k3.serve.engine import EngineConfig
-from k3.text.tokenizer import load_tokenizer
-from k3.text.xtml import XTML
+from k3.sft.trainer import adopt_chat_model
 from k3.train.errors import TrainError
 from k3.train.muon import OPTIMIZERS
 from k3.train.packing import windows_for_step
-from k3.train.trainer import BALANCE_RULES, Trainer
+from k3.train.trainer import BALANCE_RULES, Trainer, validate_update
 
 BUDGETS_FILE = "budgets.json"
 HELDOUT_FILE = "heldout.jsonl"
@@ -129,12 +127,11 @@ def validate_rollout(s: RolloutSettings, world_size: int, verb: str, kl_coef: fl
                            "launch it without torchrun")
     check(s.steps >= 1 and s.prompts >= 1 and s.samples >= 1, "steps, prompts and samples must be >= 1")
     check(0 < s.stop_fraction <= 1, f"stop fraction must be in (0, 1], got {s.stop_fraction}")
-    # the serving engine's range (k3.serve.sampling): checked here, before anything is written
-    check(0 < s.temperature <= 2, f"temperature must be in (0, 2] (rollouts sample), got {s.temperature}")
+    # the serving engine's range, checked here before anything is written
+    check(0 < s.temperature <= MAX_TEMPERATURE,
+          f"temperature must be in (0, {MAX_TEMPERATURE:g}] (rollouts sample), got {s.temperature}")
     check(s.max_tokens >= 1 and s.pool >= 1 and s.heldout >= 1, "max tokens, pool and heldout must be >= 1")
-    check(0 < s.lr < math.inf, f"learning rate must be a finite number > 0, got {s.lr}")
-    check(0 <= s.weight_decay < math.inf, f"weight decay must be a finite number >= 0, got {s.weight_decay}")
-    check(0 < s.grad_clip <= math.inf, f"grad clip must be > 0 (inf: no clipping), got {s.grad_clip}")
+    validate_update(s)
     check(0 < s.min_lr_ratio <= 1, f"min lr ratio must be in (0, 1], got {s.min_lr_ratio}")
     check(s.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {s.optimizer!r}")
     check(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
@@ -225,17 +222,8 @@ class RLTrainer(Trainer):
                 model = load_pretrained(self.init_checkpoint)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             raise TrainError(f"cannot load the initial checkpoint: {e}") from None
-        if vision_config_of(model.config) is not None:  # its checkpoints would lose the tower
-            raise TrainError(f"{settings.init} is a vision-language model: k3 {verb} trains text models")
-        try:
-            self.tokenizer = load_tokenizer(self.run_dir if resume else self.init_checkpoint)
-        except (FileNotFoundError, ValueError) as e:  # a checkpoint saved without it, or a damaged one
-            raise TrainError(f"cannot load the tokenizer: {e}") from None
-        self._adopt_tokenizer(model.config)
-        try:
-            self.chat = XTML(self.tokenizer)
-        except ValueError as e:
-            raise TrainError(f"{settings.init}: {e}; {verb} needs a chat model (a `k3 sft` run)") from None
+        adopt_chat_model(self, model, self.run_dir if resume else self.init_checkpoint, settings.init, verb,
+                         settings.init, f"{verb} needs a chat model (a `k3 sft` run)")
         return model
 
     def _start_rollouts(self, resume: bool) -> None:

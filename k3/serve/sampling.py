@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3.generation.generate import GREEDY_BELOW, sample_next
+from k3.generation.generate import GREEDY_BELOW, MAX_TEMPERATURE, sample_next
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise ValueError(f"max_tokens must be >= 1 (0 only to score a prompt), got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -89,6 +89,24 @@ def _validate(s: SFTSettings, world_size: int, max_positions: int) -> None:
     need(s.agent_episodes >= 0 and s.max_reply_tokens >= 1, "agent episodes must be >= 0, max reply tokens >= 1")
 
 
+def adopt_chat_model(trainer: Trainer, model: K3ForCausalLM, tokenizer_from, init: str, verb: str,
+                     label, hint: str) -> None:
+    """What every post-training verb checks of its starting model: a text model (a VL checkpoint
+    would lose its tower), a readable tokenizer (from `tokenizer_from`) that fits it, and K3's chat
+    markers in it (`trainer.chat`); TrainError otherwise ("LABEL: why; HINT" for the markers)."""
+    if vision_config_of(model.config) is not None:
+        raise TrainError(f"{init} is a vision-language model: {verb} trains text models")
+    try:
+        trainer.tokenizer = load_tokenizer(tokenizer_from)
+    except (FileNotFoundError, ValueError) as e:  # a checkpoint saved without it, or a damaged one
+        raise TrainError(f"cannot load the tokenizer: {e}") from None
+    trainer._adopt_tokenizer(model.config)
+    try:
+        trainer.chat = XTML(trainer.tokenizer)
+    except ValueError as e:
+        raise TrainError(f"{label}: {e}; {hint}") from None
+
+
 class SFTTrainer(Trainer):
     SETTINGS = SFTSettings
     CHAT_MODEL = True
@@ -110,18 +128,9 @@ class SFTTrainer(Trainer):
                 model = load_pretrained(source)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             raise TrainError(f"cannot load the initial checkpoint: {e}") from None
-        if vision_config_of(model.config) is not None:  # its checkpoint would lose the tower
-            raise TrainError(f"{settings.init} is a vision-language model: k3 sft trains text models")
         _validate(settings, self.world.size, model.config.max_position_embeddings)
-        try:
-            self.tokenizer = load_tokenizer(self.run_dir if resume else source)
-        except (FileNotFoundError, ValueError) as e:  # a checkpoint saved without it, or a damaged one
-            raise TrainError(f"cannot load the tokenizer: {e}") from None
-        self._adopt_tokenizer(model.config)
-        try:
-            self.chat = XTML(self.tokenizer)
-        except ValueError as e:
-            raise TrainError(f"{source}: {e}; SFT needs a tokenizer trained with K3's chat markers") from None
+        adopt_chat_model(self, model, self.run_dir if resume else source, settings.init, "k3 sft", source,
+                         "SFT needs a tokenizer trained with K3's chat markers")
         self._setup_conversations(settings)
         self._write_run_files(settings, resume)
         self._setup_model(model, resume)

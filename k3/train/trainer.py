@@ -125,6 +125,14 @@ def _need(ok: bool, msg: str) -> None:
         raise TrainError(msg)
 
 
+def validate_update(s) -> None:
+    """The optimizer step's settings every training verb has: learning rate, decay, clipping."""
+    _need(0 < s.lr < math.inf, f"learning rate must be a finite number > 0, got {s.lr}")
+    _need(0 <= s.weight_decay < math.inf, f"weight decay must be a finite number >= 0, got {s.weight_decay}")
+    # a clip <= 0 would zero (or, below 0, reverse) every gradient
+    _need(0 < s.grad_clip <= math.inf, f"grad clip must be > 0 (inf: no clipping), got {s.grad_clip}")
+
+
 def validate_common(s, world_size: int, max_positions: int) -> None:
     """The checks every training verb's settings share (steps, batch, length, optimizer, outputs)."""
     _need(s.steps >= 1, f"steps must be >= 1, got {s.steps}")
@@ -133,10 +141,7 @@ def validate_common(s, world_size: int, max_positions: int) -> None:
           f"batch size {s.batch_size} must be divisible by world size {world_size} x grad accumulation {s.grad_accum}")
     _need(2 <= s.seq_len <= max_positions,
           f"sequence length {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
-    _need(0 < s.lr < math.inf, f"learning rate must be a finite number > 0, got {s.lr}")
-    _need(0 <= s.weight_decay < math.inf, f"weight decay must be a finite number >= 0, got {s.weight_decay}")
-    # a clip <= 0 would zero (or, below 0, reverse) every gradient
-    _need(0 < s.grad_clip <= math.inf, f"grad clip must be > 0 (inf: no clipping), got {s.grad_clip}")
+    validate_update(s)
     optimizer = getattr(s, "optimizer", OPTIMIZERS[0])  # settings of other verbs may not choose one
     _need(optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     init = getattr(s, "weight_init", INITS[0])  # only verbs that build a model from scratch choose one

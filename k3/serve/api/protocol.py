@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from k3.generation.generate import MAX_TEMPERATURE
 from k3.serve.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from k3.text.tool_schema import compile_parameters
 
@@ -111,7 +112,7 @@ Unsupported = "accepted for compatibility; only the default is supported"
 
 class _Sampling(_Request):
     model: str
-    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     top_k: Integer = Field(0, ge=0, le=MAX_INT)  # extension (vLLM-style); 0 = off
     n: Integer = Field(1, ge=1, le=1, description="one choice per request")
