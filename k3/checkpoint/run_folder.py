@@ -2,8 +2,11 @@
 verb that takes a checkpoint also takes a run folder and reads its latest complete one."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+
+from k3.atomic import write_text_atomic
 
 STEP_DIR = re.compile(r"^step_(\d{7})$")
 
@@ -30,3 +33,39 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a `k3 train` run with a complete "
                                 "checkpoint")
     return found
+
+
+# the checkpoints a run reads besides its own (the RL KL reference, MOPD's teachers), pinned when it
+# starts: a run folder's latest checkpoint moves if that run goes on, and an exact resume must not
+PINS_FILE = "sources.json"
+
+
+def read_pins(run_dir: Path) -> dict[str, str]:
+    """The checkpoints `run_dir` pinned at its start ({} for a run from before pinning)."""
+    path = Path(run_dir) / PINS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        pins = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is damaged: {e}") from None
+    if not isinstance(pins, dict) or not all(isinstance(v, str) for v in pins.values()):
+        raise ValueError(f"{path} is damaged: expected an object of checkpoint paths")
+    return pins
+
+
+def pin(pins: dict[str, str], key: str, source: str | Path) -> Path:
+    """The checkpoint pinned under `key`, else `source` resolved (and pinned in `pins`)."""
+    if key in pins:
+        path = Path(pins[key])
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"the {key} checkpoint this run started from, {path}, is gone "
+                                    "(its run pruned it?): resuming would read other weights")
+        return path
+    path = resolve_checkpoint(source).resolve()
+    pins[key] = str(path)
+    return path
+
+
+def write_pins(run_dir: Path, pins: dict[str, str]) -> None:
+    write_text_atomic(Path(run_dir) / PINS_FILE, json.dumps(pins, indent=2) + "\n")

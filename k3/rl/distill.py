@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from k3.checkpoint.official import CheckpointError, load_pretrained
-from k3.checkpoint.run_folder import resolve_checkpoint
+from k3.checkpoint.run_folder import pin
 from k3.rl.domains import Task, make_domain
 from k3.rl.effort import EFFORTS, Budget, load_budgets
 from k3.rl.episodes import run_episodes, summarize
@@ -89,25 +89,29 @@ class DistillTrainer(RLTrainer):
     def _setup(self, settings: DistillSettings, resume: bool) -> None:
         _validate(settings, self.world.size)
         model = self._load_chat_model(settings, resume, "distillation")
-        self.teachers = [self._teacher(Path(t), settings) for t in settings.teachers]
+        self.teachers = [self._teacher(i, Path(t), settings) for i, t in enumerate(settings.teachers)]
         names = [t.name for t in self.teachers]
         if len(set(names)) != len(names):
             raise TrainError(f"two teachers train the same domain and effort: {names}")
         self.objective = ObjectiveConfig(settings.eps_low, settings.eps_high)
         self._write_run_files(settings, resume)
+        self._write_pins()
         self._setup_model(model, resume=False)
         self.ref_model = None
         self.teacher_gap = []
         self._start_rollouts(resume)
 
-    def _teacher(self, run: Path, s: DistillSettings) -> Teacher:
+    def _teacher(self, index: int, run: Path, s: DistillSettings) -> Teacher:
         try:
             cfg = json.loads((run / RUN_FILE).read_text())
             domain, effort = cfg["domain"], cfg["effort"]
             tau = cfg["tau"] if cfg.get("tau") is not None else EFFORTS[effort].tau
-            checkpoint = resolve_checkpoint(run)
         except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: run.json not an object
             raise TrainError(f"teacher {run} is not a `k3 rl` run: {e}") from None
+        try:
+            checkpoint = pin(self.pins, f"teacher {index}", run)
+        except (FileNotFoundError, ValueError) as e:
+            raise TrainError(f"teacher {run}: {e}") from None
         if load_tokenizer(checkpoint).to_str() != self.tokenizer.to_str():
             raise TrainError(f"teacher {run} has another tokenizer than the student: distill within one pipeline")
         try:

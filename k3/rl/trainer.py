@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
-from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
+from k3.checkpoint.run_folder import latest_checkpoint, pin, read_pins, write_pins
 from k3.config import K3Config
 from k3.generation.generate import MAX_TEMPERATURE
 from k3.model.transformer import K3ForCausalLM
@@ -200,6 +200,7 @@ class RLTrainer(Trainer):
         self.objective = ObjectiveConfig(settings.eps_low, settings.eps_high, settings.kl_coef)
         budgets = self._given_budgets(settings) if not resume else None
         self._write_run_files(settings, resume)
+        self._write_pins()
         self._setup_model(model, resume=False)
         self.ref_model = None
         if settings.kl_coef > 0:
@@ -213,9 +214,11 @@ class RLTrainer(Trainer):
         self._prepare_run_dir(settings, resume)
         own = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
         try:
+            self.pins = read_pins(self.run_dir) if resume else {}
+            self.pins_read = dict(self.pins)
             # a resumed run needs its init only as the KL reference: without one it may have moved
             needs_init = own is None or getattr(settings, "kl_coef", 0.0) > 0
-            self.init_checkpoint = resolve_checkpoint(settings.init) if needs_init else None
+            self.init_checkpoint = pin(self.pins, "init", settings.init) if needs_init else None
             if own is not None:
                 model = K3ForCausalLM(K3Config.from_dict(read_json(own / "config.json")))
             else:
@@ -225,6 +228,12 @@ class RLTrainer(Trainer):
         adopt_chat_model(self, model, self.run_dir if resume else self.init_checkpoint, settings.init, verb,
                          settings.init, f"{verb} needs a chat model (a `k3 sft` run)")
         return model
+
+    def _write_pins(self) -> None:
+        """sources.json: the init (and teacher) checkpoints as resolved now, read back on resume."""
+        if self.world.is_main and self.pins != self.pins_read:
+            write_pins(self.run_dir, self.pins)
+            self.pins_read = dict(self.pins)
 
     def _start_rollouts(self, resume: bool) -> None:
         """The rollout engine over the model, empty rollout state; on resume the latest checkpoint."""

@@ -103,6 +103,27 @@ def test_resume_needs_the_init_run_only_as_a_kl_reference(init_run, tmp_path, va
         resumed.close()
 
 
+def test_resume_reads_the_kl_reference_it_started_with(init_run, tmp_path, varied_rewards):
+    """The init run may go on after RL starts: a resume keeps the reference checkpoint of the start
+    (sources.json), and says so in one line when that checkpoint was pruned."""
+    import shutil
+
+    init = tmp_path / "init"
+    shutil.copytree(init_run, init)
+    rl(settings(init, tmp_path / "k", stop_fraction=1.0, steps=2, kl_coef=0.1))
+    started = Path(json.loads((tmp_path / "k" / "sources.json").read_text())["init"])
+    assert started.parent == (init / "checkpoints").resolve()
+    shutil.copytree(started, init / "checkpoints" / "step_9999999")  # the init run went on
+    resumed = RLTrainer.from_run(tmp_path / "k", progress=False, log=quiet)
+    try:
+        assert resumed.init_checkpoint == started
+    finally:
+        resumed.close()
+    shutil.rmtree(started)  # ... and pruned the checkpoint RL started from
+    with pytest.raises(TrainError, match="started from.*is gone"):
+        RLTrainer.from_run(tmp_path / "k", progress=False, log=quiet)
+
+
 def test_tool_episode_continues_with_the_tool_result(init_run, tmp_path):
     trainer = RLTrainer(settings(init_run, tmp_path / "t", domain="tool", budget_samples=1, max_tokens=4),
                         progress=False, log=quiet)
