@@ -11,6 +11,8 @@ part: frames sampled at the processor's rate, each 4-frame clip after its start 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, build_engine, check_engine_settings, usage_error
 
@@ -45,11 +47,29 @@ def status_line(request, limit: int, verbose: bool) -> str:
     return line
 
 
-def show(events) -> None:
-    """Reasoning dimmed, the answer plain, as they arrive."""
-    for kind, text, *_ in events:
-        if kind in ("reasoning", "content"):
-            print(f"\033[2m{text}\033[0m" if kind == "reasoning" else text, end="", flush=True)
+def styled_output() -> bool:
+    """Dim reasoning with ANSI codes only on a terminal, and not under NO_COLOR (no-color.org)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+class ReplyPrinter:
+    """Prints a reply as it arrives: on a terminal the reasoning dimmed, else (piped, NO_COLOR) the
+    reasoning under a "thinking:" label and the answer on a line of its own, with no escape codes."""
+
+    def __init__(self, styled: bool):
+        self.styled, self.last = styled, None
+
+    def __call__(self, events) -> None:
+        for kind, text, *_ in events:
+            if kind not in ("reasoning", "content"):
+                continue
+            if self.styled:
+                print(f"\033[2m{text}\033[0m" if kind == "reasoning" else text, end="", flush=True)
+                continue
+            if kind != self.last:
+                print(("\n" if self.last else "") + ("thinking: " if kind == "reasoning" else ""), end="")
+            print(text, end="", flush=True)
+            self.last = kind
 
 
 def run(args) -> int:
@@ -77,6 +97,7 @@ def run(args) -> int:
     # content parts for the next user message, processed: an image's part, or a video's clips
     attached: list[tuple[list[dict], PreparedImages]] = []
     history = PreparedImages([], [], [], [])  # the conversation's images and clips so far, processed once each
+    styled = styled_output()
     print(f"k3 chat with {name}: empty line or Ctrl-D to quit"
           + ("; /image PATH or /video PATH attaches one to your next message" if processor else ""))
     if not chat_tuned:
@@ -122,7 +143,7 @@ def run(args) -> int:
         request = engine.add_request(prompt.token_ids, SamplingParams(max_tokens=budget, temperature=args.temperature,
                                                                       stop_token_ids=[chat.eos]),
                                      boundaries=prompt.boundaries, eos_token_id=chat.end_of_msg, images=images)
-        parser, shown = chat.parser_for(prompt), 0
+        parser, shown, show = chat.parser_for(prompt), 0, ReplyPrinter(styled)
         while not request.status.finished:
             engine.step()
             new = request.output_token_ids[shown:]

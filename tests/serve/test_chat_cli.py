@@ -102,13 +102,12 @@ def test_image_command_attaches_a_picture_to_the_next_message(tmp_path, capsys, 
     """`/image PATH` with a vision checkpoint: a bad path is one bracketed line and the chat goes on;
     the picture goes with the next message (its placeholders in the prompt), and the next turn
     finds it in the prefix cache. A text model says it has no vision tower."""
-    from PIL import Image
 
     from k3.checkpoint.multimodal import save_pretrained_multimodal
     from k3.data.image_processor import ImageProcessor
+    from tests.data.test_video import gif_bytes
     from tests.model.vision.test_multimodal import tiny_multimodal
     from tests.serve.conftest import CORPUS, PLACEHOLDER, VOCAB
-    from tests.data.test_video import gif_bytes
     from tests.serve.test_images import picture
 
     tokenizer = train_tokenizer(CORPUS, 330)
@@ -148,3 +147,17 @@ def test_image_command_attaches_a_picture_to_the_next_message(tmp_path, capsys, 
                         [f"/image {tmp_path / 'scene.png'}", ""])
     assert code == 0 and "has no vision tower: /image needs a multimodal checkpoint" in out
     assert "attaches one" not in out
+
+
+@pytest.mark.parametrize("styled", [True, False])
+def test_reasoning_is_dimmed_on_a_terminal_and_labelled_when_piped(styled, capsys):
+    from k3.serve.chat_cli import ReplyPrinter
+
+    show = ReplyPrinter(styled)
+    show([("reasoning", "add "), ("reasoning", "them"), ("call", "x")])
+    show([("content", "It is "), ("content", "4.")])
+    out = capsys.readouterr().out
+    if styled:
+        assert out == "\033[2madd \033[0m\033[2mthem\033[0mIt is 4."
+    else:
+        assert out == "thinking: add them\nIt is 4." and "\033" not in out
