@@ -31,7 +31,7 @@ class MediaSpan:
     """An image's placeholder run in a prompt: its pixels enter the model there (SPEC §7)."""
     offset: int  # prompt position of the first placeholder
     length: int  # placeholders: the image's merged rows
-    digest: bytes  # a hash of the image's pixels
+    digest: bytes  # a hash of its tower input (k3.serve.api.images.media_digest)
 
     def hash_ids(self) -> list[int]:
         """Stand-ins for the placeholders in prefix-cache keys: negative (no token id is), one per

@@ -82,6 +82,33 @@ def test_the_same_image_hits_the_prefix_cache_and_another_does_not(server):
         assert miss.usage.prompt_tokens_details.cached_tokens < hit - image - 8
 
 
+def test_the_cache_key_is_what_the_tower_sees(server):
+    """Keys hash the processed tower input: two palette images with the same indices and other
+    palettes differ, a re-encoded PNG of the same pixels does not, and an image never shares a key
+    with a one-frame video of the same picture (its clip is another tower input)."""
+    import numpy as np
+
+    from k3.serve.api.images import prepare_image
+    from k3.serve.api.videos import prepare_video
+
+    processor = server[0].images
+    indices = np.random.RandomState(0).randint(0, 4, (84, 56), dtype=np.uint8)
+    palettes = ([255, 0, 0, 0, 255, 0, 0, 0, 255, 255, 255, 0], [0, 0, 0, 255, 255, 255, 128, 128, 128, 0, 255, 255])
+    keyed = []
+    for palette in palettes:
+        image = Image.fromarray(indices, "P")
+        image.putpalette(palette)
+        keyed.append(prepare_image(data_uri(image), "p", processor).digests[0])
+    assert keyed[0] != keyed[1]
+    rgb = picture(7)
+    buf = io.BytesIO()
+    rgb.save(buf, format="PNG", compress_level=0)
+    plain = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert prepare_image(plain, "p", processor).digests == prepare_image(data_uri(rgb), "p", processor).digests
+    still = prepare_video(plain, "p", processor)[0].digests
+    assert len(still) == 1 and still[0] != prepare_image(plain, "p", processor).digests[0]
+
+
 def test_an_image_url_is_fetched_when_the_server_allows_its_host(server):
     """`k3 serve --allowed-media-domains`: the openai client sends an http URL; the reply equals the
     one for the same picture inline, and the pixels key the cache (the second request hits)."""

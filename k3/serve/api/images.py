@@ -3,9 +3,10 @@ when the server fetches: k3.serve.api.media_fetch), decoded, checked and process
 engine takes (k3.serve.engine.ImageInput). Every bad image is a 400 with a message naming what is
 wrong; by default nothing is fetched from the network.
 
-The prefix cache keys an image by a hash of its decoded pixels (mode, size and bytes), not of the
-request text: the same picture sent as PNG or as another PNG encoding hits, two different
-pictures of the same size never share pages (k3.serve.request.MediaSpan)."""
+The prefix cache keys an image by a hash of what the tower receives (the media kind, the grid and
+the processed patches: palette, transparency and mode already applied), not of the request text:
+the same picture in another PNG encoding hits, two different pictures of the same size never
+share pages, nor an image and a video clip of the same frames (k3.serve.request.MediaSpan)."""
 from __future__ import annotations
 
 import base64
@@ -15,6 +16,7 @@ import io
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from PIL import Image
 
 from k3.data.image_processor import ImageProcessor
@@ -32,7 +34,6 @@ class ImageError(ValueError):
 @dataclass
 class DecodedImage:
     image: Image.Image
-    digest: bytes  # BLAKE2b-128 of mode, size and pixels
 
 
 def url_bytes(url: str, where: str, *, what: str, types: dict[str, str], max_bytes: int,
@@ -76,7 +77,7 @@ def url_bytes(url: str, where: str, *, what: str, types: dict[str, str], max_byt
 
 
 def decode_image_url(url: str, where: str, *, max_pixels: int, fetch_policy: FetchPolicy | None = None) -> DecodedImage:
-    """A `data:image/png;base64,...` (or jpeg) URI -> the decoded image and its pixel hash; an
+    """A `data:image/png;base64,...` (or jpeg) URI -> the decoded image; an
     http(s) URL is fetched only under `fetch_policy` (k3.serve.api.media_fetch)."""
     data, media_type = url_bytes(url, where, what="image", types=FORMATS, max_bytes=MAX_IMAGE_BYTES,
                                  fetch_policy=fetch_policy)
@@ -85,7 +86,7 @@ def decode_image_url(url: str, where: str, *, max_pixels: int, fetch_policy: Fet
 
 
 def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str | None = None) -> DecodedImage:
-    """PNG or JPEG bytes -> the decoded image and its pixel hash (`expect`: the format a data: URI
+    """PNG or JPEG bytes -> the decoded image (`expect`: the format a data: URI
     declared; a fetched file's format is read from its bytes, not from the server's headers)."""
     try:
         image = Image.open(io.BytesIO(data))
@@ -100,16 +101,15 @@ def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str 
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ImageError(f"{where}: the image could not be decoded ({type(e).__name__}: {e})") from None
-    return DecodedImage(image, pixel_digest([image]))
+    return DecodedImage(image)
 
 
-def pixel_digest(images: list[Image.Image]) -> bytes:
-    """BLAKE2b-128 of each image's mode, size and pixels in turn: an image's (or a video clip's
-    frames') prefix-cache key, whatever file format carried the pixels."""
+def media_digest(kind: str, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> bytes:
+    """BLAKE2b-128 of an image's (or a video clip's) tower input: its prefix-cache key. Hashing the
+    processed patches, not the file's pixels, keys exactly what the model sees."""
     h = hashlib.blake2b(digest_size=16)
-    for image in images:
-        h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
-        h.update(image.tobytes())
+    h.update(f"{kind}:{grid_thw}:{pixel_values.dtype}:".encode())
+    h.update(pixel_values.detach().cpu().contiguous().numpy().tobytes())
     return h.digest()
 
 
@@ -168,15 +168,17 @@ def prepare_image(url: str, where: str, processor: ImageProcessor,
     """One image part's URL decoded (fetched under `fetch_policy`), checked and processed;
     ImageError naming `where`."""
     decoded = decode_image_url(url, where, max_pixels=processor.max_pixels, fetch_policy=fetch_policy)
-    return process_one(decoded.image, decoded.digest, where, processor)
+    return process_one(decoded.image, where, processor)
 
 
-def process_one(item, digest: bytes, where: str, processor: ImageProcessor) -> PreparedImages:
+def process_one(item, where: str, processor: ImageProcessor) -> PreparedImages:
     """One image, or one video clip (a list of frames), through the processor as one grid row;
     ImageError naming `where`."""
     try:
         inputs = processor([item])
     except ValueError as e:
         raise ImageError(f"{where}: {e}") from None
-    return PreparedImages([inputs.pixel_values], [tuple(int(x) for x in inputs.grid_thws[0])], [digest],
+    grid = tuple(int(x) for x in inputs.grid_thws[0])
+    kind = "image" if isinstance(item, Image.Image) else "video"
+    return PreparedImages([inputs.pixel_values], [grid], [media_digest(kind, inputs.pixel_values, grid)],
                           [int(inputs.num_placeholders[0])])

@@ -5,7 +5,7 @@ processor's `sample_fps` (k3.data.video), then one tower input per clip of
 Accepted: `data:` URIs of video/mp4, video/webm, video/quicktime, video/x-matroska (these need
 PyAV, the `video` extra) and animated image/gif, image/webp, image/png; http(s) URLs only under the
 server's fetch policy (k3.serve.api.media_fetch), like images. Each clip's cache key hashes its
-frames' pixels, so the same video hits and another never shares pages."""
+tower input (k3.serve.api.images.media_digest), so the same video hits and another never shares pages."""
 from __future__ import annotations
 
 import base64
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from k3.data.image_processor import ImageProcessor
 from k3.data.video import VideoError, decode_video
-from k3.serve.api.images import ImageError, PreparedImages, pixel_digest, process_one, read_media_file, url_bytes
+from k3.serve.api.images import ImageError, PreparedImages, process_one, read_media_file, url_bytes
 from k3.serve.api.media_fetch import FetchPolicy
 
 VIDEO_TYPES = {"video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV", "video/x-matroska": "MKV",
@@ -40,7 +40,7 @@ def prepare_video(url: str, where: str, processor: ImageProcessor,
         raise ImageError(f"{where}: {e}") from None
     out, stamps = PreparedImages([], [], [], []), []
     for stamp, frames in video.clips(processor.temporal_pool):
-        out.extend(process_one(frames, pixel_digest(frames), where, processor))
+        out.extend(process_one(frames, where, processor))
         stamps.append(stamp)
     return out, stamps
 
