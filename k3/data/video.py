@@ -17,11 +17,16 @@ before it); PyAV (the `video` extra: `pip install 'k3[video]'`) for MP4, WebM, M
 frame is decoded (inter-coded formats need their predecessors) but only the sampled ones are
 kept, and a source over `max_source_frames` frames or `max_pixels` pixels a frame is refused
 before its pixels are converted; decoding stops with an error past `max_seconds` (a long,
-high-resolution file fits the byte limit and would hold a server's worker for minutes)."""
+high-resolution file fits the byte limit and would hold a server's worker for minutes). Each kept
+frame is resized right after decoding when the caller gives its target size (`frame_size`), so
+256 frames of the largest allowed size are never held at once. PyAV gets
+its demuxer named, never probed: a probe may pick FFmpeg's concat or HLS demuxers, which open the
+files or URLs the data names (a request could read the server's disk)."""
 from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from PIL import Image
@@ -30,6 +35,8 @@ DEFAULT_FRAME_MS = 100  # a GIF frame without a duration: what browsers show
 MAX_SOURCE_FRAMES = 10_000
 MAX_DECODE_SECONDS = 60.0  # a long high-resolution file must not hold a server's worker for minutes
 PILLOW_FORMATS = ("GIF", "WEBP", "PNG")
+# FFmpeg demuxers PyAV may use: mov reads MP4, MOV and M4V; matroska reads MKV and WebM
+AV_FORMATS = ("mov", "matroska")
 
 
 class VideoError(ValueError):
@@ -72,26 +79,47 @@ def timestamp_text(seconds: float) -> str:
 
 
 def decode_video(data: bytes, *, sample_fps: float | None, max_frames: int | None = None, max_pixels: int,
-                 max_source_frames: int = MAX_SOURCE_FRAMES, max_seconds: float = MAX_DECODE_SECONDS) -> SampledVideo:
+                 max_source_frames: int = MAX_SOURCE_FRAMES, max_seconds: float = MAX_DECODE_SECONDS,
+                 av_format: str | None = None,
+                 frame_size: Callable[[int, int], tuple[int, int]] | None = None,
+                 admit: Callable[[int, int, int], None] | None = None) -> SampledVideo:
     """Encoded video bytes -> the sampled frames; VideoError in one line for anything wrong,
-    including decoding that takes longer than `max_seconds`."""
-    deadline = _Deadline(max_seconds)
+    including decoding that takes longer than `max_seconds`. `av_format`: the demuxer of AV_FORMATS
+    the declared media type names (None: each is tried). `frame_size(width, height)`: the size a
+    kept frame is shrunk to (bicubic, as the processor resizes), never enlarged. `admit(frames,
+    width, height)`: called once the sampled frame count and size are known, before any frame's
+    pixels are kept; it raises VideoError to refuse the video (e.g. over the model's length)."""
+    deadline = _Decoding(max_seconds, frame_size, admit)
     try:
         image = Image.open(io.BytesIO(data))
     except (OSError, ValueError, Image.DecompressionBombError):
         image = None
     if image is not None and image.format in PILLOW_FORMATS:
         return _decode_pillow(image, sample_fps, max_frames, max_pixels, max_source_frames, deadline)
-    return _decode_av(data, sample_fps, max_frames, max_pixels, max_source_frames, deadline)
+    return _decode_av(data, sample_fps, max_frames, max_pixels, max_source_frames, deadline, av_format)
 
 
-class _Deadline:
-    def __init__(self, seconds: float):
+class _Decoding:
+    """The decoding's time limit, and what happens to each frame it keeps."""
+
+    def __init__(self, seconds: float, frame_size: Callable[[int, int], tuple[int, int]] | None = None,
+                 admit: Callable[[int, int, int], None] | None = None):
         self.seconds, self.end = seconds, time.monotonic() + seconds
+        self.frame_size, self.admit = frame_size, admit
 
     def check(self) -> None:
         if time.monotonic() > self.end:
             raise VideoError(f"decoding the video took longer than {self.seconds:g} s")
+
+    def keep(self, frame: Image.Image) -> Image.Image:
+        """A decoded frame as kept: RGB, shrunk to `frame_size` when that is smaller."""
+        frame = frame.convert("RGB")
+        if self.frame_size is None:
+            return frame
+        width, height = self.frame_size(frame.width, frame.height)
+        if width * height >= frame.width * frame.height:
+            return frame
+        return frame.resize((width, height), resample=Image.Resampling.BICUBIC)
 
 
 def _check_size(width: int, height: int, max_pixels: int) -> None:
@@ -102,7 +130,7 @@ def _check_size(width: int, height: int, max_pixels: int) -> None:
 
 
 def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_source_frames,
-                   deadline: _Deadline) -> SampledVideo:
+                   deadline: _Decoding) -> SampledVideo:
     _check_size(image.width, image.height, max_pixels)
     n = getattr(image, "n_frames", 1)
     if n > max_source_frames:
@@ -115,24 +143,42 @@ def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_s
             ms += int(image.info.get("duration") or 0) or DEFAULT_FRAME_MS
         fps = n * 1000 / ms
         indices = sample_indices(n, fps, sample_fps, max_frames)
+        if deadline.admit is not None:
+            deadline.admit(len(indices), image.width, image.height)
         frames = []
         for i in indices:
             deadline.check()
             image.seek(i)
-            frames.append(image.convert("RGB"))
+            frames.append(deadline.keep(image))
+    except VideoError:
+        raise
     except (OSError, ValueError, EOFError) as e:
         raise VideoError(f"the video could not be decoded ({type(e).__name__}: {e})") from None
     return SampledVideo(frames, indices, fps, n)
 
 
-def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frames, deadline: _Deadline) -> SampledVideo:
+def _open_av(av, data: bytes, av_format: str | None):
+    """A PyAV container over `data` with a named demuxer (module docstring)."""
+    if av_format is not None and av_format not in AV_FORMATS:
+        raise ValueError(f"av_format must be one of {AV_FORMATS}, got {av_format!r}")
+    for name in (av_format,) if av_format else AV_FORMATS:
+        try:
+            return av.open(io.BytesIO(data), mode="r", format=name)
+        except (av.FFmpegError, OSError, ValueError, EOFError):
+            continue
+    raise VideoError("the video could not be decoded (not an MP4, MOV, MKV or WebM file"
+                     + (" as its media type says" if av_format else "") + ")")
+
+
+def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frames, deadline: _Decoding,
+               av_format: str | None = None) -> SampledVideo:
     try:
         import av
     except ImportError:
         raise VideoError("this is not an animated GIF, WebP or PNG; other video formats (MP4, WebM, ...) need "
                          "PyAV: pip install 'k3[video]'") from None
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with _open_av(av, data, av_format) as container:
             if not container.streams.video:
                 raise VideoError("the file has no video stream")
             stream = container.streams.video[0]
@@ -146,12 +192,14 @@ def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frame
                 rate = n / float(stream.duration * stream.time_base)
             fps = float(rate) if rate else 0.0
             indices = sample_indices(n, fps, sample_fps, max_frames)
+            if deadline.admit is not None:
+                deadline.admit(len(indices), stream.codec_context.width, stream.codec_context.height)
             wanted, frames = set(indices), {}
             container.seek(0)
             for i, frame in enumerate(container.decode(stream)):
                 deadline.check()
                 if i in wanted:
-                    frames[i] = frame.to_image().convert("RGB")
+                    frames[i] = deadline.keep(frame.to_image())
                 if i >= indices[-1]:
                     break
     except VideoError:

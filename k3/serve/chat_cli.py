@@ -120,7 +120,8 @@ def run(args) -> int:
                     part = image_part_from_file(path)
                     attached.append(([part], prepare_image(part["image_url"]["url"], path, processor)))
                 else:
-                    clips, stamps = prepare_video(video_part_from_file(path)["video_url"]["url"], path, processor)
+                    clips, stamps = prepare_video(video_part_from_file(path)["video_url"]["url"], path, processor,
+                                                  max_placeholders=engine.max_model_len)
                     attached.append((clip_parts(stamps), clips))
             except ImageError as e:
                 print(f"[{e}]")

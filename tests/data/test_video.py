@@ -79,6 +79,19 @@ def test_an_mp4_decodes_with_pyav():
     assert all(abs(g - (25 * i) % 256) <= 12 for g, i in zip(grey, video.indices))
 
 
+@pytest.mark.parametrize("av_format", [None, "mov", "matroska"])
+def test_a_playlist_cannot_make_the_decoder_open_local_files(tmp_path, monkeypatch, av_format):
+    """FFmpeg's concat demuxer would read the files the data names: PyAV is never left to probe."""
+    pytest.importorskip("av")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret.mp4").write_bytes(mp4_bytes(4))
+    for playlist in (b"ffconcat version 1.0\nfile secret.mp4\n", b"#EXTM3U\n#EXTINF:1,\nsecret.mp4\n#EXT-X-ENDLIST\n"):
+        with pytest.raises(VideoError, match="not an MP4, MOV, MKV or WebM file"):
+            decode_video(playlist, sample_fps=8.0, max_pixels=10_000, av_format=av_format)
+    if av_format != "matroska":  # an MP4 still decodes, named or probed among the allowed demuxers
+        assert decode_video(mp4_bytes(4), sample_fps=8.0, max_pixels=10_000, av_format=av_format).source_frames == 4
+
+
 @pytest.mark.parametrize("data, kwargs, message", [
     (b"not a video at all", {}, "could not be decoded"),
     (None, {"max_pixels": 100}, "over the limit of 100"),

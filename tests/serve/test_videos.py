@@ -89,3 +89,36 @@ def test_bad_videos_get_a_400_naming_the_part(server, url, message):
     pytest.importorskip("av")
     error = bad_request(server[0], ask(url or video_uri(gif_bytes(4, size=(300, 300)))))
     assert message in error["message"] and "messages[0].content[0].video_url" in error["message"]
+
+
+def test_frames_are_shrunk_as_decoded_to_what_the_processor_makes_of_them():
+    """A video's kept frames are resized right after decoding (memory: never 256 full frames), and
+    the tower input equals the processor's on the full-size frames."""
+    from k3.data.image_processor import ImageProcessor
+    from k3.serve.api.videos import prepare_video
+
+    processor = ImageProcessor(max_patches_per_frame=64, max_pixels=400 * 400, sample_fps=None)
+    data = gif_bytes(6, size=(300, 220))
+    shrunk = decode_video(data, sample_fps=None, max_pixels=400 * 400,
+                          frame_size=lambda w, h: (processor.plan(w, h, 64).width, processor.plan(w, h, 64).height))
+    assert all(f.size[0] * f.size[1] <= 64 * 14 * 14 for f in shrunk.frames)
+    full = decode_video(data, sample_fps=None, max_pixels=400 * 400)
+    assert full.frames[0].size == (300, 220)
+    prepared, stamps = prepare_video(video_uri(data), "part", processor)
+    whole = [processor([frames]) for _, frames in full.clips(processor.temporal_pool)]
+    assert len(prepared.pixel_values) == len(whole) == len(stamps) == 2
+    for got, want in zip(prepared.pixel_values, whole):
+        torch.testing.assert_close(got, want.pixel_values, rtol=0, atol=0)
+
+
+def test_a_video_over_the_model_length_is_refused_before_its_frames_are_kept(monkeypatch):
+    import k3.data.video as video
+    from k3.data.image_processor import ImageProcessor
+    from k3.serve.api.images import ImageError
+    from k3.serve.api.videos import prepare_video
+
+    processor = ImageProcessor(max_patches_per_frame=64, max_pixels=400 * 400, sample_fps=None)
+    monkeypatch.setattr(video._Decoding, "keep", lambda self, frame: pytest.fail("a frame was kept"))
+    with pytest.raises(ImageError, match=r"part: its 6 sampled frames need 30 image tokens, more than the 29 "):
+        prepare_video(video_uri(gif_bytes(6, size=(300, 220))), "part", processor, max_placeholders=29)
+

@@ -42,16 +42,19 @@ def media_parts(messages: list[dict]) -> list[tuple[int, int, str, str, str]]:
     return out
 
 
-def prepare_media(messages: list[dict], processor: ImageProcessor,
-                  fetch_policy: FetchPolicy | None = None) -> PreparedMedia:
-    """Decode, check and process every image and video part; ImageError naming the part."""
+def prepare_media(messages: list[dict], processor: ImageProcessor, fetch_policy: FetchPolicy | None = None,
+                  max_placeholders: int | None = None) -> PreparedMedia:
+    """Decode, check and process every image and video part; ImageError naming the part. A video
+    that needs more image tokens than `max_placeholders` (the model's length) leaves after the
+    parts before it is refused before its frames are kept."""
     images = PreparedImages([], [], [], [])
     expanded: dict[tuple[int, int], list[dict]] = {}
     for i, j, kind, url, where in media_parts(messages):
         if kind == "image_url":
             images.extend(prepare_image(url, where, processor, fetch_policy))
             continue
-        clips, stamps = prepare_video(url, where, processor, fetch_policy)
+        room = None if max_placeholders is None else max(max_placeholders - sum(images.counts), 0)
+        clips, stamps = prepare_video(url, where, processor, fetch_policy, room)
         images.extend(clips)
         expanded[(i, j)] = clip_parts(stamps)
     if not expanded:

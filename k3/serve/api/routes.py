@@ -352,7 +352,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     try:
         media, images = None, []
         if ctx.images is not None:  # decoded off the event loop: a large image or a video takes a while
-            prepared = await asyncio.to_thread(prepare_media, messages, ctx.images, ctx.media_fetch)
+            prepared = await asyncio.to_thread(prepare_media, messages, ctx.images, ctx.media_fetch,
+                                               ctx.engine.engine.max_model_len)
             messages = prepared.messages  # video parts expanded into timestamped clips
             media = prepared.images.media(ctx.engine.engine.vision.config.media_placeholder_token_id)
         rendered = await asyncio.to_thread(

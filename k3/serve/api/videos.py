@@ -9,6 +9,7 @@ tower input (k3.serve.api.images.media_digest), so the same video hits and anoth
 from __future__ import annotations
 
 import base64
+import math
 from pathlib import Path
 
 from k3.data.image_processor import ImageProcessor
@@ -23,19 +24,24 @@ MAX_VIDEO_BYTES = 64 << 20
 SUFFIX_TYPES = {".mp4": "video/mp4", ".m4v": "video/mp4", ".webm": "video/webm", ".mov": "video/quicktime",
                 ".mkv": "video/x-matroska", ".gif": "image/gif", ".webp": "image/webp", ".png": "image/png",
                 ".apng": "image/apng"}
+# the demuxer each declared container type names (k3.data.video: PyAV never probes)
+AV_FORMAT_OF = {"video/mp4": "mov", "video/quicktime": "mov", "video/webm": "matroska", "video/x-matroska": "matroska"}
 DEFAULT_MAX_FRAMES = 256  # sampled frames a video (64 clips); K3's max_num_frames_each_video is not published
 
 
-def prepare_video(url: str, where: str, processor: ImageProcessor,
-                  fetch_policy: FetchPolicy | None = None) -> tuple[PreparedImages, list[str]]:
+def prepare_video(url: str, where: str, processor: ImageProcessor, fetch_policy: FetchPolicy | None = None,
+                  max_placeholders: int | None = None) -> tuple[PreparedImages, list[str]]:
     """One video part: its clips as tower inputs (one grid row each) and each clip's timestamp
-    prompt; ImageError naming `where`."""
-    data, _ = url_bytes(url, where, what="video", types=VIDEO_TYPES, max_bytes=MAX_VIDEO_BYTES,
-                        fetch_policy=fetch_policy)
+    prompt; ImageError naming `where`. A video whose clips need more than `max_placeholders` image
+    tokens (what the model's length leaves) is refused before its frames are kept."""
+    data, media_type = url_bytes(url, where, what="video", types=VIDEO_TYPES, max_bytes=MAX_VIDEO_BYTES,
+                                 fetch_policy=fetch_policy)
     max_frames = processor.max_frames if processor.max_frames is not None else DEFAULT_MAX_FRAMES
     try:
         video = decode_video(data, sample_fps=processor.sample_fps, max_frames=max_frames,
-                             max_pixels=processor.max_pixels)
+                             max_pixels=processor.max_pixels, av_format=AV_FORMAT_OF.get(media_type),
+                             frame_size=lambda w, h: clip_frame_size(processor, w, h),
+                             admit=lambda n, w, h: admit_video(processor, n, w, h, max_placeholders))
     except VideoError as e:
         raise ImageError(f"{where}: {e}") from None
     out, stamps = PreparedImages([], [], [], []), []
@@ -43,6 +49,27 @@ def prepare_video(url: str, where: str, processor: ImageProcessor,
         out.extend(process_one(frames, where, processor))
         stamps.append(stamp)
     return out, stamps
+
+
+def clip_frame_size(processor: ImageProcessor, width: int, height: int) -> tuple[int, int]:
+    """The size the processor resizes a frame of a full clip to: what a decoded frame is shrunk to
+    at once (the processor then resizes it to the same size, a copy)."""
+    plan = processor.plan(width, height, processor.frame_budget(processor.temporal_pool))
+    return plan.width, plan.height
+
+
+def admit_video(processor: ImageProcessor, frames: int, width: int, height: int, max_placeholders: int | None) -> None:
+    """VideoError when `frames` sampled frames of this size need more image tokens than fit."""
+    if max_placeholders is None:
+        return
+    try:
+        plan = processor.plan(width, height, processor.frame_budget(processor.temporal_pool))
+    except ValueError as e:
+        raise VideoError(str(e)) from None
+    need = math.ceil(frames / processor.temporal_pool) * processor.placeholders(plan)
+    if need > max_placeholders:
+        raise VideoError(f"its {frames} sampled frames need {need:,} image tokens, more than the {max_placeholders:,} "
+                         "the model's length leaves; send a shorter or smaller video")
 
 
 def video_part_from_file(path: str | Path) -> dict:
