@@ -130,6 +130,7 @@ def run(args) -> int:
             continue
         content = [*(p for parts, _ in attached for p in parts), {"type": "text", "text": line}] if attached else line
         messages.append({"role": "user", "content": content})
+        known = len(history.counts)
         for _, prepared in attached:
             history.extend(prepared)
         attached = []
@@ -138,9 +139,12 @@ def run(args) -> int:
         prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking, media=media)
         images = [] if processor is None else history.engine_inputs(prompt.media_offsets)
         budget = min(args.max_tokens, engine.max_model_len - len(prompt.token_ids))
-        if budget < 1:
-            print("[the conversation fills the model length]")
-            break
+        if budget < 1:  # drop this message (and its media), keep the conversation
+            messages.pop()
+            history.truncate(known)
+            print(f"[not sent: with this message the conversation is {len(prompt.token_ids)} tokens, the model "
+                  f"takes {engine.max_model_len}; send a shorter one, with fewer or smaller pictures]")
+            continue
         request = engine.add_request(prompt.token_ids, SamplingParams(max_tokens=budget, temperature=args.temperature,
                                                                       stop_token_ids=[chat.eos]),
                                      boundaries=prompt.boundaries, eos_token_id=chat.end_of_msg, images=images)

@@ -18,7 +18,8 @@ from tokenizers import Tokenizer
 from k3.checkpoint.multimodal import is_multimodal_checkpoint, load_pretrained_multimodal
 from k3.checkpoint.official import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
-from k3.text.tokenizer import TOKENIZER_FILE, load_tokenizer
+from k3.model.multimodal import MEDIA_PLACEHOLDER_TOKEN_ID
+from k3.text.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILE, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,19 @@ class Served(NamedTuple):
     chat_tuned: bool
 
 
+def check_placeholder(token: int, vocab: int, tokenizer, folder) -> None:
+    """The image placeholder must be an id the engine takes and no text token writes: else every
+    image request fails, or text is read as image slots (ValueError naming the config)."""
+    if token >= vocab:
+        raise ValueError(f"{Path(folder) / 'config.json'}: media_placeholder_token_id {token} is outside the "
+                         f"vocabulary [0, {vocab}) (an absent one defaults to K3's {MEDIA_PLACEHOLDER_TOKEN_ID}); "
+                         "set it to an id no text token uses")
+    name = tokenizer.id_to_token(token)
+    if name in SPECIAL_TOKENS.values():
+        raise ValueError(f"{Path(folder) / 'config.json'}: media_placeholder_token_id {token} is the tokenizer's "
+                         f"special token {name!r}; set it to an id no text token uses")
+
+
 def load_for_serving(run: str | None = None, model: str | None = None, tokenizer: str | None = None,
                      device: str = "cpu", dtype: str = "float32") -> Served:
     """The model, its tokenizer, a served name and whether it was chat-tuned, all read from one
@@ -83,6 +97,8 @@ def load_for_serving(run: str | None = None, model: str | None = None, tokenizer
     vocab = (net.language_model if hasattr(net, "language_model") else net).config.vocab_size
     if tok.get_vocab_size() > vocab:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids, the model only {vocab}")
+    if hasattr(net, "language_model"):
+        check_placeholder(net.config.media_placeholder_token_id, vocab, tok, folder)
     name = Path(run or model).name  # a run folder's name, or the checkpoint folder's
     log.info("serving %s (%s) from %s", name, dtype, folder)
     return Served(net, tok, name, is_chat_tuned(tok_path))

@@ -92,6 +92,35 @@ def test_damaged_weights_are_one_line_naming_the_file(run_dir, tmp_path, capsys,
     assert err.startswith(f"k3 {command}: error: ") and "\n" not in err and weights.name in err, err
 
 
+@pytest.mark.parametrize("placeholder, message", [(None, "outside the vocabulary [0, 340) (an absent one defaults"),
+                                                  (3, "is the tokenizer's special token '<|open|>'")])
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_a_placeholder_id_no_request_can_use_is_refused_at_load(tmp_path, capsys, monkeypatch, command, placeholder,
+                                                                 message):
+    """A vision checkpoint whose image placeholder lies outside the vocabulary (absent from a small
+    model's config.json: K3's 163605) or is a chat marker: one line at load, not a 400 per request."""
+    from k3.checkpoint.multimodal import save_pretrained_multimodal
+    from tests.model.vision.test_multimodal import tiny_multimodal
+    from tests.serve.conftest import CORPUS, VOCAB
+
+    model = tiny_multimodal(vocab_size=VOCAB)
+    step = tmp_path / "vl"
+    save_pretrained_multimodal(model, step)
+    save_tokenizer(train_tokenizer(CORPUS, 330), step)
+    config = json.loads((step / "config.json").read_text())
+    config.pop("media_placeholder_token_id", None)
+    if placeholder is not None:
+        config["media_placeholder_token_id"] = placeholder
+    (step / "config.json").write_text(json.dumps(config))
+    mod = importlib.import_module("k3.serve.cli" if command == "serve" else "k3.serve.chat_cli")
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    monkeypatch.setattr("builtins.input", lambda prompt="": "")
+    assert mod.run(p.parse_args(["--model", str(step)])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"k3 {command}: error: ") and "\n" not in err and message in err, err
+
+
 def test_bad_chat_options_are_one_line(run_dir, capsys, monkeypatch):
     for argv in (["--temperature", "5"], ["--max-tokens", "0"], ["--reasoning-effort", "extreme"]):
         code, _, err = chat(capsys, monkeypatch, ["--run", str(run_dir), *argv], [""])
@@ -138,6 +167,13 @@ def test_image_command_attaches_a_picture_to_the_next_message(tmp_path, capsys, 
     assert second[1] >= first[0] - 8  # the next turn reads the first (image included) from the prefix cache
     assert third[0] > second[0] + 2 * placeholders  # two clips of the video (each at least an image's size here)
     assert third[1] >= second[0] - 8
+
+    # a picture too big for the model's length: that message is not sent, the conversation goes on
+    picture(1, size=(1400, 1400)).save(tmp_path / "big.png")
+    code, out, _ = chat(capsys, monkeypatch, ["--model", str(step), "--max-tokens", "3", "--temperature", "0"],
+                        [f"/image {tmp_path / 'big.png'}", "What is this?", "Hello?", ""])
+    assert code == 0 and "[not sent: with this message the conversation is " in out, out
+    assert sum(line.startswith("[stopped:") for line in out.splitlines()) == 1  # "Hello?" was answered
 
     text_step = tmp_path / "text"
     torch.manual_seed(0)

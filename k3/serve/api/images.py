@@ -151,6 +151,11 @@ class PreparedImages:
                                 (other.pixel_values, other.grid_thws, other.digests, other.counts)):
             mine.extend(theirs)
 
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` images (drop those of a message that was not sent)."""
+        for column in (self.pixel_values, self.grid_thws, self.digests, self.counts):
+            del column[n:]
+
     def media(self, placeholder_id: int) -> list[list[int]]:
         """The renderer's `media`: each image's run of placeholder ids."""
         return [[placeholder_id] * n for n in self.counts]
