@@ -136,7 +136,7 @@ def to_rgb(image: Image.Image, background: dict | None) -> Image.Image:
     """RGB image; with a `background`, pixels with alpha (an "A" band, or palette / colour-key
     transparency) are blended onto it as the official does: alpha * rgb + (1 - alpha) * board in
     float32, truncated to uint8. Without one, alpha is dropped."""
-    if image.mode == "RGB":
+    if image.mode == "RGB" and "transparency" not in image.info:  # an RGB colour key is transparency too
         return image
     if background is None or ("A" not in image.getbands() and "transparency" not in image.info):
         return image.convert("RGB")

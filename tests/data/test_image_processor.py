@@ -160,6 +160,11 @@ def test_modes_and_transparency():
     half = proc(Image.new("RGBA", (16, 16), (40, 40, 40, 128))).pixel_values
     assert half[0, 0, 0, 0].item() == pytest.approx(147 / 127.5 - 1, abs=1e-6)
     assert half[0, 0, 0, 8].item() == pytest.approx(109 / 127.5 - 1, abs=1e-6)
+    # colour-key transparency (a PNG tRNS chunk) is transparency in RGB as in L
+    for mode, key in (("RGB", (0, 0, 0)), ("L", 0)):
+        keyed = Image.new(mode, (28, 28), key)
+        keyed.info["transparency"] = key
+        assert proc(keyed).pixel_values[0, :, 0, 0].tolist() == [1.0] * 3, mode  # the board's white
     # no background: alpha dropped, black stays black
     plain = ImageProcessor(transparent_background=None)(Image.new("RGBA", (28, 28), (0, 0, 0, 0))).pixel_values
     assert (plain == -1).all()
