@@ -143,6 +143,20 @@ def test_bad_images_get_a_400_with_a_clear_message(server, url, message):
     assert message in error["message"] and "image_url" in error["message"]  # names the part
 
 
+@pytest.mark.parametrize("part, where", [
+    ({"type": "image_url", "image_url": {}}, "messages[0].content[0].image_url.url: Field required"),
+    ({"type": "image_url", "image_url": "data:image/png;base64,AA"}, "messages[0].content[0].image_url: "),
+    ({"type": "image_url", "image_url": {"url": "data:,", "detail": "ultra"}}, "messages[0].content[0].image_url.detail"),
+    ({"type": "audio", "audio": {}}, "messages[0].content[0]: Input tag 'audio'"),
+])
+def test_a_malformed_part_is_named_by_its_path(server, part, where):
+    """Pydantic reports a content union's first branch ("str") first: the error names the deepest
+    location the request has instead."""
+    error = bad_request(server[0], [{"role": "user", "content": [part]}])
+    assert error["message"].startswith(where), error
+    assert error["param"] == where.split(":")[0]
+
+
 def bad_request(s, messages: list[dict]) -> dict:
     """The error object of a chat request the server must refuse with a 400."""
     r = httpx.post(s.url + "/v1/chat/completions", json={"model": "k3-tiny-vl", "messages": messages, "max_tokens": 2},

@@ -50,6 +50,24 @@ def chat_template_defaults(kwargs: dict | None) -> ChatTemplateKwargs | None:
         raise ValueError(f"default chat template kwargs: {problems}") from None
 
 
+def _field_path(body, loc) -> list:
+    """A validation error's location in the request body: pydantic's union-branch tags ("str", a
+    discriminator's value) dropped, keeping each step the body has (and a missing field's name)."""
+    path, node = [], body
+    steps = list(loc[1:]) if loc and loc[0] == "body" else list(loc)
+    for i, step in enumerate(steps):
+        if isinstance(node, dict) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node):
+            node = node[step]
+        elif not isinstance(node, (dict, list)):
+            break  # the error is at this value (the model's steps past it are the value's expected shape)
+        elif not (isinstance(node, dict) and i == len(steps) - 1):
+            continue  # a union-branch tag: nothing in the body
+        path.append(step)  # (a missing field of an object is named too)
+    return path
+
+
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               default_chat_template_kwargs: dict | None = None, media_fetch: FetchPolicy | None = None) -> FastAPI:
@@ -81,12 +99,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
         errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        message = f"{'.'.join(loc) + ': ' if loc else ''}{first.get('msg')}"
+        # the deepest error names the field at fault (a union's first branch, "str", does not)
+        located = [(_field_path(getattr(e, "body", None), err.get("loc", ())), err) for err in errors]
+        path, first = max(located, key=lambda pe: len(pe[0])) if located else ([], {"msg": "invalid request"})
+        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in path).lstrip(".")
+        message = f"{where + ': ' if where else ''}{first.get('msg')}"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more errors)"
-        return _error(APIError(400, message, param=loc[-1] if loc else None,
+        return _error(APIError(400, message, param=where or None,
                                code="invalid_json" if first.get("type") == "json_invalid" else None))
 
     @app.exception_handler(StarletteHTTPException)
