@@ -17,14 +17,16 @@ itself, ~115 of them assistant tokens that carry the loss; n_tools=1 makes it ~5
   needed. ...") and greetings, which have no reasoning at all (nothing to think about; XTML renders
   an empty think channel). Tools stay declared, so the model learns when not to call one.
 Numbers are small (two-digit operands, results of a few digits); lookups are made-up facts
-(k3/sft/tools.py), so only the tool knows them.
+(k3/sft/tools.py), so only the tool knows them. Values are many (1,000 places, 20 unit pairs, ~30k
+expressions), so that a model cannot fit the training set by naming values it memorized and the
+held-out split measures copying.
 
 Held-out split, by template and by value:
 - templates: every kind has phrasings used only by "heldout" (train never sees them; heldout uses
   all phrasings, so it measures both the seen and the unseen wording);
 - values: an item (an expression, a lookup place, a conversion, a word sequence) belongs to heldout
   when the SHA-256 of its text falls in the first HELDOUT_PERCENT of the range; whole places and
-  two whole unit pairs are held out, but their table entries and units exist, so every held-out
+  three whole unit pairs are held out, but their table entries and units exist, so every held-out
   call can be answered by copying.
 Every conversation carries `expected` = {"tool", "arguments", "answer"} (tool None for plain
 answers): what scoring a model's replies needs (k3/sft/scoring.py).
@@ -81,10 +83,12 @@ ANSWERS = {
 GREETING_ANSWER = "How can I help you?"
 
 # unit pairs asked about (from, to); the held-out ones are only ever asked in heldout
-UNIT_PAIRS = [("km", "m"), ("m", "km"), ("m", "cm"), ("cm", "m"), ("kg", "g"), ("g", "kg"),
-              ("hours", "minutes"), ("minutes", "hours"), ("minutes", "seconds"), ("seconds", "minutes"),
-              ("km", "cm"), ("hours", "seconds")]
-HELDOUT_PAIRS = {("cm", "m"), ("hours", "seconds")}
+# (a set too small to learn the pairs by heart: the units are copied from the question)
+UNIT_PAIRS = [("km", "m"), ("m", "km"), ("m", "cm"), ("cm", "m"), ("cm", "mm"), ("mm", "cm"), ("m", "mm"),
+              ("mm", "m"), ("km", "cm"), ("kg", "g"), ("g", "kg"), ("g", "mg"), ("mg", "g"),
+              ("days", "hours"), ("hours", "days"), ("hours", "minutes"), ("minutes", "hours"),
+              ("minutes", "seconds"), ("seconds", "minutes"), ("hours", "seconds")]
+HELDOUT_PAIRS = {("cm", "m"), ("hours", "seconds"), ("mg", "g")}
 WORDS = ("red", "blue", "green", "apple", "river", "stone", "cloud", "bird", "tree", "moon", "sun", "star",
          "fish", "boat", "door", "lamp", "book", "cat", "dog", "horse", "king", "queen", "rose", "wind",
          "fire", "snow", "rain", "bell", "ring", "gold", "bread", "milk", "hill", "sea", "road", "key")

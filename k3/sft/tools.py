@@ -4,7 +4,7 @@ Three tools, kept tiny because their declarations are rendered into every conver
 - `calculator(expression)`: + - * and parentheses over numbers, evaluated from the `ast`, never `eval`;
 - `lookup(key)`: a made-up fact from a bundled table, keyed "<fact> of <place>" (e.g. "colour of Bosk"),
   so that no pretraining corpus knows the answer and the model has to call the tool;
-- `convert(value, from, to)`: between km/m/cm, kg/g, hours/minutes/seconds.
+- `convert(value, from, to)`: between km/m/cm/mm, kg/g/mg, days/hours/minutes/seconds.
 `call_tool` runs one call and returns the result as a string; a bad call gives an "error: ..." string
 instead of raising, so an agent loop can hand the error back to the model.
 """
@@ -34,10 +34,13 @@ TOOLS: list[dict] = [
 ]
 TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
 
-# made-up places: names no corpus knows (short, so that copying them into a call costs few tokens)
-PLACES = ("Abrel", "Bosk", "Carth", "Dunmo", "Elvar", "Fenra", "Gorva", "Hesk", "Ivel", "Jorn", "Kelo", "Lunt",
-          "Morv", "Nesh", "Orla", "Pell", "Quist", "Ravn", "Selk", "Tovra", "Ubra", "Vask", "Wenl", "Xara",
-          "Yorl", "Zamt", "Brel", "Crom", "Drev", "Fosk", "Grel", "Heln")
+# made-up places: names no corpus knows (short, so that copying them into a call costs few tokens).
+# Many of them: with a few dozen a model answers a place it has not seen with one it memorized (the
+# cheaper fit on a small closed set); with a thousand, copying the asked name is what fits.
+NAMED_PLACES = ("Abrel", "Bosk", "Carth", "Dunmo", "Elvar", "Fenra", "Gorva", "Hesk", "Ivel", "Jorn", "Kelo", "Lunt",
+                "Morv", "Nesh", "Orla", "Pell", "Quist", "Ravn", "Selk", "Tovra", "Ubra", "Vask", "Wenl", "Xara",
+                "Yorl", "Zamt", "Brel", "Crom", "Drev", "Fosk", "Grel", "Heln")
+NUM_PLACES = 1000
 FACTS = ("colour", "population", "code")
 COLOURS = ("red", "blue", "green", "teal", "amber", "grey", "violet", "gold", "white", "black", "pink", "brown")
 
@@ -55,18 +58,45 @@ def _fact(place: str, fact: str) -> str:
     return f"{place[:2].upper()}{10 + h % 90}"  # e.g. "BO47"
 
 
+def _made_up_places(n: int) -> tuple[str, ...]:
+    """NAMED_PLACES, then syllable names (consonants + vowel + ending, once or twice) up to `n`,
+    drawn from fixed hashes: the same on every machine."""
+    onsets = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
+              "br", "cr", "dr", "gr", "kr", "tr", "st", "sk")
+    endings = ("", "n", "r", "l", "m", "t", "v", "sk", "rn", "lt")
+    names, i = list(NAMED_PLACES), 0
+    while len(names) < n:
+        h, i = _digest(f"k3-sft-place|{i}"), i + 1
+        syllables = 1 + h % 2
+        name = ""
+        for _ in range(syllables):
+            h //= 2
+            name += onsets[h % len(onsets)] + "aeiou"[h // 26 % 5] + endings[h // 130 % len(endings)]
+            h //= 1300
+        name = name.capitalize()
+        if 4 <= len(name) <= 8 and name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+PLACES = _made_up_places(NUM_PLACES)
+
+
 def lookup_key(fact: str, place: str) -> str:
     return f"{fact} of {place}"
 
 
 # the bundled table, derived from fixed hashes: the same on every machine and every run
 TABLE: dict[str, str] = {lookup_key(f, p): _fact(p, f) for p in PLACES for f in FACTS}
+_BY_KEY = {k.lower(): v for k, v in TABLE.items()}  # lookups ignore case and repeated spaces
 
 # each unit in its dimension's base unit (metre, gram, second); exact, so results print without float noise
 UNITS: dict[str, tuple[str, Fraction]] = {
     "km": ("length", Fraction(1000)), "m": ("length", Fraction(1)), "cm": ("length", Fraction(1, 100)),
-    "kg": ("mass", Fraction(1000)), "g": ("mass", Fraction(1)),
-    "hours": ("time", Fraction(3600)), "minutes": ("time", Fraction(60)), "seconds": ("time", Fraction(1)),
+    "mm": ("length", Fraction(1, 1000)),
+    "kg": ("mass", Fraction(1000)), "g": ("mass", Fraction(1)), "mg": ("mass", Fraction(1, 1000)),
+    "days": ("time", Fraction(86400)), "hours": ("time", Fraction(3600)), "minutes": ("time", Fraction(60)),
+    "seconds": ("time", Fraction(1)),
 }
 
 MAX_EXPRESSION = 200  # characters: the calculator is for small arithmetic, not a compute service
@@ -124,11 +154,10 @@ def calculator(expression: str) -> str:
 
 
 def lookup(key: str) -> str:
-    normal = " ".join(key.split()).lower()
-    for k, v in TABLE.items():
-        if k.lower() == normal:
-            return v
-    raise ToolError(f"no entry for {key!r}")
+    value = _BY_KEY.get(" ".join(key.split()).lower())
+    if value is None:
+        raise ToolError(f"no entry for {key!r}")
+    return value
 
 
 def convert(value: float, from_unit: str, to_unit: str) -> str:
