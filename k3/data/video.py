@@ -19,9 +19,9 @@ kept, and a source over `max_source_frames` frames or `max_pixels` pixels a fram
 before its pixels are converted; decoding stops with an error past `max_seconds` (a long,
 high-resolution file fits the byte limit and would hold a server's worker for minutes). Each kept
 frame is resized right after decoding when the caller gives its target size (`frame_size`), so
-256 frames of the largest allowed size are never held at once. PyAV gets
-its demuxer named, never probed: a probe may pick FFmpeg's concat or HLS demuxers, which open the
-files or URLs the data names (a request could read the server's disk)."""
+256 frames of the largest allowed size are never held at once. PyAV gets its demuxer named, never
+probed: a probe may pick FFmpeg's concat or HLS demuxers, which open the files or URLs the data
+names (a request could read the server's disk)."""
 from __future__ import annotations
 
 import io
@@ -89,14 +89,14 @@ def decode_video(data: bytes, *, sample_fps: float | None, max_frames: int | Non
     kept frame is shrunk to (bicubic, as the processor resizes), never enlarged. `admit(frames,
     width, height)`: called once the sampled frame count and size are known, before any frame's
     pixels are kept; it raises VideoError to refuse the video (e.g. over the model's length)."""
-    deadline = _Decoding(max_seconds, frame_size, admit)
+    decoding = _Decoding(max_seconds, frame_size, admit)
     try:
         image = Image.open(io.BytesIO(data))
     except (OSError, ValueError, Image.DecompressionBombError):
         image = None
     if image is not None and image.format in PILLOW_FORMATS:
-        return _decode_pillow(image, sample_fps, max_frames, max_pixels, max_source_frames, deadline)
-    return _decode_av(data, sample_fps, max_frames, max_pixels, max_source_frames, deadline, av_format)
+        return _decode_pillow(image, sample_fps, max_frames, max_pixels, max_source_frames, decoding)
+    return _decode_av(data, sample_fps, max_frames, max_pixels, max_source_frames, decoding, av_format)
 
 
 class _Decoding:
@@ -105,7 +105,12 @@ class _Decoding:
     def __init__(self, seconds: float, frame_size: Callable[[int, int], tuple[int, int]] | None = None,
                  admit: Callable[[int, int, int], None] | None = None):
         self.seconds, self.end = seconds, time.monotonic() + seconds
-        self.frame_size, self.admit = frame_size, admit
+        self.frame_size, self._admit = frame_size, admit
+
+    def admit(self, frames: int, width: int, height: int) -> None:
+        """The caller's say on the sampled frames, before any is kept (VideoError to refuse)."""
+        if self._admit is not None:
+            self._admit(frames, width, height)
 
     def check(self) -> None:
         if time.monotonic() > self.end:
@@ -130,7 +135,7 @@ def _check_size(width: int, height: int, max_pixels: int) -> None:
 
 
 def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_source_frames,
-                   deadline: _Decoding) -> SampledVideo:
+                   decoding: _Decoding) -> SampledVideo:
     _check_size(image.width, image.height, max_pixels)
     n = getattr(image, "n_frames", 1)
     if n > max_source_frames:
@@ -138,18 +143,17 @@ def _decode_pillow(image: Image.Image, sample_fps, max_frames, max_pixels, max_s
     try:
         ms = 0  # whole milliseconds, as the formats store them: no float drift in fps
         for i in range(n):
-            deadline.check()
+            decoding.check()
             image.seek(i)
             ms += int(image.info.get("duration") or 0) or DEFAULT_FRAME_MS
         fps = n * 1000 / ms
         indices = sample_indices(n, fps, sample_fps, max_frames)
-        if deadline.admit is not None:
-            deadline.admit(len(indices), image.width, image.height)
+        decoding.admit(len(indices), image.width, image.height)
         frames = []
         for i in indices:
-            deadline.check()
+            decoding.check()
             image.seek(i)
-            frames.append(deadline.keep(image))
+            frames.append(decoding.keep(image))
     except VideoError:
         raise
     except (OSError, ValueError, EOFError) as e:
@@ -170,7 +174,7 @@ def _open_av(av, data: bytes, av_format: str | None):
                      + (" as its media type says" if av_format else "") + ")")
 
 
-def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frames, deadline: _Decoding,
+def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frames, decoding: _Decoding,
                av_format: str | None = None) -> SampledVideo:
     try:
         import av
@@ -192,14 +196,13 @@ def _decode_av(data: bytes, sample_fps, max_frames, max_pixels, max_source_frame
                 rate = n / float(stream.duration * stream.time_base)
             fps = float(rate) if rate else 0.0
             indices = sample_indices(n, fps, sample_fps, max_frames)
-            if deadline.admit is not None:
-                deadline.admit(len(indices), stream.codec_context.width, stream.codec_context.height)
+            decoding.admit(len(indices), stream.codec_context.width, stream.codec_context.height)
             wanted, frames = set(indices), {}
             container.seek(0)
             for i, frame in enumerate(container.decode(stream)):
-                deadline.check()
+                decoding.check()
                 if i in wanted:
-                    frames[i] = deadline.keep(frame.to_image())
+                    frames[i] = decoding.keep(frame.to_image())
                 if i >= indices[-1]:
                     break
     except VideoError:
