@@ -12,7 +12,7 @@ import base64
 import math
 from pathlib import Path
 
-from k3.data.image_processor import ImageProcessor
+from k3.data.image_processor import ImageProcessor, ResizePlan
 from k3.data.video import VideoError, decode_video
 from k3.serve.api.images import ImageError, PreparedImages, process_one, read_media_file, url_bytes
 from k3.serve.api.media_fetch import FetchPolicy
@@ -51,10 +51,14 @@ def prepare_video(url: str, where: str, processor: ImageProcessor, fetch_policy:
     return out, stamps
 
 
+def clip_plan(processor: ImageProcessor, width: int, height: int) -> ResizePlan:
+    """How the processor resizes each frame of a full clip of this size."""
+    return processor.plan(width, height, processor.frame_budget(processor.temporal_pool))
+
+
 def clip_frame_size(processor: ImageProcessor, width: int, height: int) -> tuple[int, int]:
-    """The size the processor resizes a frame of a full clip to: what a decoded frame is shrunk to
-    at once (the processor then resizes it to the same size, a copy)."""
-    plan = processor.plan(width, height, processor.frame_budget(processor.temporal_pool))
+    """What a decoded frame is shrunk to at once (the processor then resizes it to the same size, a copy)."""
+    plan = clip_plan(processor, width, height)
     return plan.width, plan.height
 
 
@@ -63,7 +67,7 @@ def admit_video(processor: ImageProcessor, frames: int, width: int, height: int,
     if max_placeholders is None:
         return
     try:
-        plan = processor.plan(width, height, processor.frame_budget(processor.temporal_pool))
+        plan = clip_plan(processor, width, height)
     except ValueError as e:
         raise VideoError(str(e)) from None
     need = math.ceil(frames / processor.temporal_pool) * processor.placeholders(plan)
