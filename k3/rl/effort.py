@@ -9,8 +9,12 @@ trajectory longer than tau * b0(x), and three effort levels that differ only in 
   The median, not the mean: with K samples at temperature 1 one correct but rambling sample
   would drag a mean far up, while the median is what a typical correct solution of x needs. Not
   the shortest either: that is luck, and tau scales from a typical length. A prompt with no correct
-  sample gets its domain's median b0 (over the prompts that had one); a domain with none at all
-  gets a default (DEFAULT_BUDGET, or e.g. the median `reference_length` of its tasks). Every b0
+  sample gets the T(y) of its own reference solution when the caller gives it (`reference_length`:
+  the domains are generated, so every prompt has one), else its domain's median b0 (over the
+  prompts that had one); a domain with none at all gets a default (DEFAULT_BUDGET). Not the
+  domain median first: the prompts an SFT model solves are the short ones, so their median would
+  put the long unsolved ones over budget even at max effort, and -1 would teach it to stop
+  thinking rather than to solve them. Every b0
   is at least MIN_BUDGET tokens, so a prompt the SFT model answered without thinking still leaves
   the max expert room to think.
 - Levels (`EFFORTS`): max has the large tau (TAU_MAX = 2: twice what SFT needed, so it seldom
@@ -126,7 +130,9 @@ class Budget:
     task_id: str
     domain: str
     b0: float  # tokens
-    source: str  # "correct": median over this prompt's correct samples; "domain": the domain's median; "default"
+    # "correct": median of this prompt's correct samples; "reference": its reference solution's T(y);
+    # "domain": the domain's median; "default"
+    source: str
     n_samples: int
     n_correct: int
 
@@ -145,10 +151,12 @@ def reference_length(task, xtml, effort_name: str = "max") -> int:
 
 
 def cold_start_budgets(samples: Mapping[str, Sequence[tuple[bool, int]]], domain: str,
-                       default: float | None = None) -> dict[str, Budget]:
+                       default: float | None = None, reference: Mapping[str, int] | None = None) -> dict[str, Budget]:
     """b0(x) for each prompt of one domain from the SFT model's samples: task id -> [(correct,
-    length)...], the lengths measured by `length_of`. `default`: the b0 when nothing in the domain
-    was solved (DEFAULT_BUDGET[domain] if None). See the module docstring for the rule."""
+    length)...], the lengths measured by `length_of`. `reference`: task id -> T(y) of its reference
+    solution, the b0 of a prompt with no correct sample. `default`: the b0 when nothing in the
+    domain was solved and no reference is given (DEFAULT_BUDGET[domain] if None). See the module
+    docstring for the rule."""
     _check_domain(domain)
     if default is not None and (isinstance(default, bool) or not isinstance(default, (int, float))
                                 or not math.isfinite(default) or default <= 0):
@@ -170,9 +178,12 @@ def cold_start_budgets(samples: Mapping[str, Sequence[tuple[bool, int]]], domain
     out = {}
     for task_id, group in samples.items():
         n_correct = sum(bool(c) for c, _ in group)
-        b0 = per_task.get(task_id)
-        out[task_id] = Budget(task_id, domain, b0 if b0 is not None else max(fallback, MIN_BUDGET),
-                              "correct" if b0 is not None else source, len(group), n_correct)
+        b0, why = per_task.get(task_id), "correct"
+        if b0 is None and reference is not None and task_id in reference:
+            b0, why = max(float(reference[task_id]), MIN_BUDGET), "reference"
+        if b0 is None:
+            b0, why = max(fallback, MIN_BUDGET), source
+        out[task_id] = Budget(task_id, domain, b0, why, len(group), n_correct)
     return out
 
 

@@ -47,7 +47,16 @@ from k3.config import K3Config
 from k3.generation.generate import MAX_TEMPERATURE
 from k3.model.transformer import K3ForCausalLM
 from k3.rl.domains import DOMAIN_CLASSES, Task, continue_with_tool_results, make_domain, needs_another_turn
-from k3.rl.effort import EFFORTS, Budget, cold_start_budgets, length_of, load_budgets, save_budgets, shaped_reward
+from k3.rl.effort import (
+    EFFORTS,
+    Budget,
+    cold_start_budgets,
+    length_of,
+    load_budgets,
+    reference_length,
+    save_budgets,
+    shaped_reward,
+)
 from k3.rl.episodes import run_episodes, summarize
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, policy_loss, token_logprobs
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
@@ -74,12 +83,12 @@ class RolloutSettings:
     samples: int = 8  # K: completions per prompt (the advantage group)
     stop_fraction: float = 1.0  # lambda: pause the rollout once this share of those in flight has finished
     temperature: float = 1.0
-    max_tokens: int = 96  # per assistant turn
+    max_tokens: int = 160  # per assistant turn: a tool turn (think + call) runs ~100-130 tokens
     pool: int = 128  # training prompts, cycled (each has a cold-start budget)
     heldout: int = 64  # held-out prompts evaluated (greedy)
     eps_low: float = 0.2
     eps_high: float = 0.2
-    lr: float = 5e-4
+    lr: float = 1e-4  # 5e-4 under Per-Head Muon lowered held-out accuracy (LOG "RL and distillation")
     min_lr_ratio: float = 1.0  # constant after warmup
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -87,7 +96,7 @@ class RolloutSettings:
     balance: str = "quantile"
     qat: bool = False
     batch_invariant: bool = False  # rollout and trainer in k3.ops.batch_invariant's arithmetic (CPU)
-    share_prompts: bool = True  # shared prompt tokens run once in the trainer (k3/rl/shared_prompts.py; not under compile)
+    share_prompts: bool = True  # shared prompts run once in the trainer (k3/rl/shared_prompts.py; not under compile)
     compile: bool = False
     eval_every: int = 10
     ckpt_every: int = 10
@@ -296,7 +305,8 @@ class RLTrainer(Trainer):
             for e in run_episodes(self.model, self.chat, chunk, "max", s.max_tokens, temperature=s.temperature,
                                   seed=s.seed * 7919 + start):
                 samples[e.task.id].append((e.score.correct, e.length))
-        budgets = cold_start_budgets(samples, s.domain)
+        reference = {t.id: reference_length(t, self.chat) for t in tasks}
+        budgets = cold_start_budgets(samples, s.domain, reference=reference)
         solved = sum(b.n_correct > 0 for b in budgets.values())
         self.log(f"budgets: {solved} of {len(budgets)} prompts solved at least once by the init model")
         return budgets

@@ -80,6 +80,11 @@ def test_cold_start_budgets():
     none = cold_start_budgets({"x": [(False, 5)], "y": []}, "tool")
     assert {v.source for v in none.values()} == {"default"} and none["x"].b0 == DEFAULT_BUDGET["tool"]
     assert cold_start_budgets({"x": [(False, 5)]}, "strings", default=17)["x"].b0 == 17.0
+    # an unsolved prompt takes its own reference solution's length when given, floored; a solved one ignores it
+    ref = cold_start_budgets(samples, "arithmetic", reference={"a": 99, "c": 60, "d": 1})
+    assert ref["c"] == Budget("c", "arithmetic", 60.0, "reference", 2, 0)
+    assert ref["a"].b0 == 25.0 and ref["d"].b0 == MIN_BUDGET and ref["d"].source == "correct"
+    assert cold_start_budgets({"x": [(False, 5)]}, "strings", reference={"x": 3})["x"].b0 == MIN_BUDGET
     with pytest.raises(ValueError, match="integer"):
         cold_start_budgets({"a": [(True, -1)]}, "strings")
     with pytest.raises(ValueError, match="default"):
