@@ -9,6 +9,12 @@ The episodes are drawn from the domains' training split (never a held-out proble
 at indices from COLD_START_OFFSET on, away from an RL run's pool indices 0..pool-1; small problem
 spaces (one-digit arithmetic) still repeat some pool problems, which is fine for training prompts.
 The embedded default SFT set's training conversations (tool use, plain answers) are mixed in.
+
+`--efforts max,high,low` renders the episodes at those effort levels in turn, so the SFT model
+has seen the effort message change what it does before RL and MOPD rely on it: a `low` episode
+keeps the answer and drops the think trace (what a low expert converges to under tau = 0.5,
+docs/LOG.md "RL and distillation"); `high` and `max` keep the reference trace, which is already
+the shortest correct one, and RL separates them.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from k3.rl.domains import make_domain
+from k3.rl.effort import EFFORTS
 from k3.sft import default_set
 
 COLD_START_OFFSET = 1_000_000
@@ -32,13 +39,37 @@ def parse_domains(text: str) -> list[str]:
     return names
 
 
-def conversations(domains: Sequence[str], n: int, seed: int = 0, default_size: int = 0) -> list[dict]:
-    """`n` reference episodes of each domain, interleaved domain by domain, then `default_size`
-    conversations of the default SFT set's training split spread evenly among them."""
+def parse_efforts(text: str) -> list[str]:
+    """'max,low' -> ['max', 'low'] (ValueError naming an unknown level)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--efforts needs at least one level")
+    for n in names:
+        if n not in EFFORTS:
+            raise ValueError(f"--efforts: unknown level {n!r} (known: {', '.join(EFFORTS)})")
+    return names
+
+
+def episode(task, effort: str = "max") -> dict:
+    """A task's reference episode as a conversation rendered at `effort` (low: no think trace)."""
+    reference = task.reference
+    if effort == "low":
+        reference = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in reference]
+    out = {"messages": task.messages + reference}
+    if task.tools:
+        out["tools"] = task.tools
+    if effort != "max":  # max is the default effort message; leaving it out keeps old files byte-equal
+        out["reasoning_effort"] = effort
+    return out
+
+
+def conversations(domains: Sequence[str], n: int, seed: int = 0, default_size: int = 0,
+                  efforts: Sequence[str] = ("max",)) -> list[dict]:
+    """`n` reference episodes of each domain, interleaved domain by domain, the k-th of each domain
+    at efforts[k % len(efforts)], then `default_size` conversations of the default SFT set's
+    training split spread evenly among them."""
     per = [make_domain(name, seed).tasks("train", n, start=COLD_START_OFFSET) for name in domains]
-    out = [{"messages": t.messages + t.reference, "tools": t.tools} if t.tools else
-           {"messages": t.messages + t.reference}
-           for i in range(n) for t in (tasks[i] for tasks in per)]
+    out = [episode(tasks[i], efforts[i % len(efforts)]) for i in range(n) for tasks in per]
     extra = default_set.conversations("train", default_size, seed)
     if extra:
         every = max(1, len(out) // len(extra))
@@ -58,16 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=200, help="reference episodes per domain (default 200)")
     ap.add_argument("--default-set", type=int, default=320,
                     help="conversations of the embedded default SFT set mixed in (default 320)")
+    ap.add_argument("--efforts", default="max",
+                    help="effort levels the episodes take in turn, e.g. max,high,low (default max; low: no trace)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
         domains = parse_domains(args.domains)
+        efforts = parse_efforts(args.efforts)
         if args.size < 1 or args.default_set < 0:
             raise ValueError("--size must be >= 1 and --default-set >= 0")
     except ValueError as e:
         print(f"cold_start: error: {e}", file=sys.stderr)
         return 2
-    convs = conversations(domains, args.size, args.seed, args.default_set)
+    convs = conversations(domains, args.size, args.seed, args.default_set, efforts)
     default_set.write_jsonl(args.out, convs)
     print(f"wrote {len(convs)} conversations to {args.out}")
     return 0

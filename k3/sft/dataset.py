@@ -1,7 +1,8 @@
 """Reading and checking SFT data: a JSONL of OpenAI-style conversations, one per line.
 
-A line is {"messages": [...], "tools": [...] (optional), "expected": {...} (optional, the default
-set's scoring record)}. Messages have a `role` in ROLES; assistant messages may carry
+A line is {"messages": [...], "tools": [...] (optional), "reasoning_effort": "low" (optional: the
+effort message it is rendered with, OpenAI's values as in a chat request; default max), "expected":
+{...} (optional, the default set's scoring record)}. Messages have a `role` in ROLES; assistant messages may carry
 `reasoning_content` (or `reasoning`), `content` and `tool_calls` ({"id", "type": "function",
 "function": {"name", "arguments": a JSON object, as a string or already parsed}}); tool messages name
 a call of the assistant message before them with `tool_call_id`.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from k3.data.jsonl import jsonl_records, strict_loads
 from k3.text.tool_schema import compile_parameters
+from k3.text.xtml import REASONING_EFFORT
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -32,6 +34,7 @@ class Conversation:
     line: int  # 1-based line of the JSONL file (the position, for the default set)
     source: str = ""  # the file's path, or a name for generated data; errors say "{source}:{line}"
     expected: dict | None = None
+    reasoning_effort: str | None = None  # OpenAI's value; None: the default effort (max)
 
     @property
     def where(self) -> str:
@@ -159,9 +162,12 @@ def parse_conversation(record, line: int = 1, source: str = "") -> Conversation:
         expected = record.get("expected")
         if expected is not None and not isinstance(expected, dict):
             raise _Bad("'expected' must be an object")
+        effort = record.get("reasoning_effort")
+        if effort is not None and effort not in REASONING_EFFORT:
+            raise _Bad(f"'reasoning_effort' must be one of {list(REASONING_EFFORT)}, got {effort!r}")
     except _Bad as e:
         raise SFTDataError(f"{source}:{line}: {e}") from None
-    return Conversation(record["messages"], record.get("tools"), line, source, expected)
+    return Conversation(record["messages"], record.get("tools"), line, source, expected, effort)
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:

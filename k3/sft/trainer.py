@@ -139,7 +139,8 @@ class SFTTrainer(Trainer):
         out = []
         for c in conversations:
             try:
-                r = self.chat.render(c.messages, tools=c.tools, add_generation_prompt=False)
+                r = self.chat.render(c.messages, tools=c.tools, reasoning_effort=c.reasoning_effort,
+                                     add_generation_prompt=False)
             except ValueError as e:
                 raise SFTDataError(f"{c.where}: {e}") from None
             check_length(c, len(r.token_ids), self.s.seq_len)

@@ -51,6 +51,8 @@ def test_reads_good_data(tmp_path):
     assert [c.line for c in convs] == [1, 3, 5]
     assert convs[0].messages == GOOD["messages"] and convs[0].tools == TOOLS and convs[0].expected is None
     assert convs[1].tools is None and convs[1].source == path
+    assert convs[0].reasoning_effort is None
+    assert read_conversations(_write(tmp_path, [_with(reasoning_effort="low")]))[0].reasoning_effort == "low"
 
 
 BAD = [
@@ -88,6 +90,7 @@ BAD = [
     ("schema reading a file", _with(tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"$ref": "file:///etc/hostname"}}}]), "external $ref 'file:///etc/hostname'"),
     ("expected not an object", _with(expected=[1]), "'expected' must be an object"),
+    ("unknown effort", _with(reasoning_effort="huge"), "'reasoning_effort' must be one of"),
 ]
 
 
