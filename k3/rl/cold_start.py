@@ -29,11 +29,16 @@ from k3.sft import default_set
 COLD_START_OFFSET = 1_000_000
 
 
-def parse_domains(text: str) -> list[str]:
-    """'arithmetic,strings' -> ['arithmetic', 'strings'] (ValueError naming an unknown one)."""
+def _names(text: str, flag: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
-        raise ValueError("--domains needs at least one domain name")
+        raise ValueError(f"{flag} needs at least one name")
+    return names
+
+
+def parse_domains(text: str) -> list[str]:
+    """'arithmetic,strings' -> ['arithmetic', 'strings'] (ValueError naming an unknown one)."""
+    names = _names(text, "--domains")
     for n in names:
         make_domain(n)  # raises on an unknown name
     return names
@@ -41,12 +46,10 @@ def parse_domains(text: str) -> list[str]:
 
 def parse_efforts(text: str) -> list[str]:
     """'max,low' -> ['max', 'low'] (ValueError naming an unknown level)."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise ValueError("--efforts needs at least one level")
-    for n in names:
-        if n not in EFFORTS:
-            raise ValueError(f"--efforts: unknown level {n!r} (known: {', '.join(EFFORTS)})")
+    names = _names(text, "--efforts")
+    unknown = [n for n in names if n not in EFFORTS]
+    if unknown:
+        raise ValueError(f"--efforts: unknown level {unknown[0]!r} (known: {', '.join(EFFORTS)})")
     return names
 
 
