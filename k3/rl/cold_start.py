@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from k3.rl.domains import make_domain
-from k3.rl.effort import EFFORTS
+from k3.rl.effort import effort as effort_level
 from k3.sft import default_set
 
 COLD_START_OFFSET = 1_000_000
@@ -47,9 +47,8 @@ def parse_domains(text: str) -> list[str]:
 def parse_efforts(text: str) -> list[str]:
     """'max,low' -> ['max', 'low'] (ValueError naming an unknown level)."""
     names = _names(text, "--efforts")
-    unknown = [n for n in names if n not in EFFORTS]
-    if unknown:
-        raise ValueError(f"--efforts: unknown level {unknown[0]!r} (known: {', '.join(EFFORTS)})")
+    for n in names:
+        effort_level(n)  # raises on an unknown level
     return names
 
 
