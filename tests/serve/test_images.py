@@ -17,6 +17,7 @@ from PIL import Image
 
 from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
+from k3.serve.api.images import decode_image_bytes
 from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, ImageInput, LLMEngine
@@ -290,3 +291,19 @@ def test_speculative_decoding_with_images_equals_plain_decoding(vl_model):
     engine.runner.speculator.advance = lambda *a, inputs=None: (seen.append(inputs is not None), advance(*a, inputs=inputs))
     assert run(engine) == expected
     assert any(seen) and engine.runner.spec_counts["drafted"] > 0
+
+
+@pytest.mark.parametrize("orientation, upright", [
+    (1, lambda im: im), (3, lambda im: im.transpose(Image.Transpose.ROTATE_180)),
+    (6, lambda im: im.transpose(Image.Transpose.ROTATE_270)), (8, lambda im: im.transpose(Image.Transpose.ROTATE_90))])
+def test_a_photo_is_read_upright_by_its_exif_orientation(orientation, upright):
+    """A phone's JPEG stores the sensor's pixels and an EXIF Orientation tag: the model sees the
+    picture as a viewer shows it (size and pixels), and the same upright pixels hit the same cache key."""
+    raw = picture(3, size=(56, 28))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    raw.save(buf, format="PNG", exif=exif)
+    decoded = decode_image_bytes(buf.getvalue(), "messages[0].content[0]", max_pixels=10**6).image
+    want = upright(raw)
+    assert decoded.size == want.size and decoded.tobytes() == want.convert(decoded.mode).tobytes()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from k3.data.image_processor import ImageProcessor
 from k3.serve.api.media_fetch import FetchError, FetchPolicy, fetch
@@ -86,8 +86,9 @@ def decode_image_url(url: str, where: str, *, max_pixels: int, fetch_policy: Fet
 
 
 def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str | None = None) -> DecodedImage:
-    """PNG or JPEG bytes -> the decoded image (`expect`: the format a data: URI
-    declared; a fetched file's format is read from its bytes, not from the server's headers)."""
+    """PNG or JPEG bytes -> the decoded image, upright (its EXIF orientation applied; `expect`: the
+    format a data: URI declared; a fetched file's format is read from its bytes, not from the
+    server's headers)."""
     try:
         image = Image.open(io.BytesIO(data))
         fmt = image.format
@@ -97,6 +98,8 @@ def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str 
         if width * height > max_pixels:  # before decoding the pixels: a decompression bomb stops here
             raise ImageError(f"{where}: the image is {width} x {height} pixels, over the limit of {max_pixels:,}")
         image.load()
+        # a camera's EXIF Orientation tag says how to show the pixels: apply it, as transformers' load_image does
+        image = ImageOps.exif_transpose(image)
     except ImageError:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
