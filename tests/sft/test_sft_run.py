@@ -165,3 +165,28 @@ def test_shared_prefixes_give_the_whole_rows_loss_and_gradient(pretrained, tmp_p
             assert (g_shared[name] - g).norm() <= 1e-4 * g.norm().clamp_min(1e-12), name
     finally:
         trainer.close()
+
+
+def test_each_lines_reasoning_effort_is_rendered_into_its_example(pretrained, tmp_path):
+    """A JSONL line's `reasoning_effort` becomes its thinking-effort system message (the form the
+    server renders for that effort), and a line without one gets the chat default."""
+    reply = {"role": "assistant", "reasoning_content": "Add them.", "content": "5"}
+    lines = [{"messages": [{"role": "user", "content": f"What is {i} + 5?"}, reply], **effort}
+             for i in range(4) for effort in ({"reasoning_effort": "low"}, {"reasoning_effort": "high"}, {})]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    trainer = SFTTrainer(sft_settings(pretrained, tmp_path / "e", steps=1, data=str(data), val_fraction=0.25),
+                         progress=False, log=quiet)
+    try:
+        rendered = {trainer.tokenizer.decode(ex.ids.tolist(), skip_special_tokens=False)
+                    for ex in trainer.train_examples + trainer.val_examples}
+        want = {trainer.tokenizer.decode(trainer.chat.render(x["messages"], reasoning_effort=x.get("reasoning_effort"),
+                                                             add_generation_prompt=False).token_ids,
+                                         skip_special_tokens=False) for x in lines}
+        assert rendered == want and len(want) == len(lines)
+        first = lines[0]["messages"]
+        by_effort = {tuple(trainer.chat.render(first, reasoning_effort=e, add_generation_prompt=False).token_ids)
+                     for e in ("low", "high", None)}
+        assert len(by_effort) == 3  # the effort changes the tokens
+    finally:
+        trainer.close()
