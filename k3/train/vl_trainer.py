@@ -402,6 +402,11 @@ class VLTrainer(Trainer):
                       vqa_questions=len(self.heldout))
         return record
 
+    def eval_line(self, ev: dict) -> str:
+        """Trainer's line, then the held-out questions' accuracy, overall and by type."""
+        types = " / ".join(f"{t} {100 * a:.0f}" for t, a in ev["vqa_by_type"].items())
+        return f"{super().eval_line(ev)}; held-out questions {100 * ev['vqa_accuracy']:.1f}% ({types})"
+
     @torch.no_grad()
     def samples(self, temperature: float = 0.8, top_p: float = 0.95) -> list[dict]:
         """Text continuations of the sample prompts, and the last eval's answers to four held-out questions."""

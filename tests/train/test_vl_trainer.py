@@ -76,6 +76,8 @@ def test_run_writes_checkpoint_metrics_and_vqa_figures(reference_run):
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [2, 4]
     assert all(0 <= r["vqa_accuracy"] <= 1 and r["val_image_loss"] > 0 and r["vqa_questions"] == 6 for r in evals)
+    line = trainer.eval_line(evals[-1])  # what the progress bar prints at each eval
+    assert "val loss" in line and f"held-out questions {100 * evals[-1]['vqa_accuracy']:.1f}%" in line
     (vqa,) = [r for r in records if r["kind"] == "vqa"]
     assert vqa["accuracy"] == result["vqa_accuracy"] and 0 <= vqa["blank_image_accuracy"] <= 1
     # the corpus's own majority baseline, recomputed
