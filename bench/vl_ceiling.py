@@ -3,7 +3,8 @@ the vision tower replaced by the scene's own facts (the text model's ceiling), a
 question type.
 
     python -m bench.vl_ceiling [--features tower|oracle] [--only TYPE] [--steps 560] [--scenes 11]
-                               [--questions 4] [--lr 4e-3] [--eval-every N] [--device cuda] [--out DIR]
+                               [--questions 4] [--lr 4e-3] [--tower-lr-scale 1] [--pos-std S]
+                               [--freeze-tower] [--eval-every N] [--device cuda] [--out DIR]
 
 --features oracle: each merged row (one cell of the corpus's 3 x 3 grid at 84 px) is a fixed random
 vector composed from the cell's facts, as a trained tower's feature could be: an empty cell 0, a
@@ -81,8 +82,16 @@ class CeilingTrainer(VLTrainer):
     oracle = False
     only: str | None = None
 
+    pos_std: float | None = None
+    freeze_tower = False
+
     def _new_model(self):
-        return FactFeatures(self.mm_config) if self.oracle else super()._new_model()
+        model = FactFeatures(self.mm_config) if self.oracle else super()._new_model()
+        if self.pos_std is not None:  # the position table's draw (official: N(0, 1))
+            torch.nn.init.normal_(model.vision_tower.patch_embed.pos_emb.weight, std=self.pos_std)
+        if self.freeze_tower:  # the tower stays as drawn; the projector still trains
+            model.vision_tower.requires_grad_(False)
+        return model
 
     def _setup_data(self, settings, config, resume):
         super()._setup_data(settings, config, resume)
@@ -129,14 +138,19 @@ def main() -> None:
     ap.add_argument("--scenes", type=int, default=11)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--lr", type=float, default=4e-3)
+    ap.add_argument("--tower-lr-scale", type=float, default=1.0, help="the tower's and projector's lr over --lr")
+    ap.add_argument("--pos-std", type=float, help="draw the tower's position table at this std (official: 1)")
+    ap.add_argument("--freeze-tower", action="store_true", help="train the projector but not the tower")
     ap.add_argument("--eval-every", type=int, help="held-out eval every N steps (default: half the run)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", help="run folder (default: a temporary one, removed)")
     args = ap.parse_args()
     CeilingTrainer.oracle, CeilingTrainer.only = args.features == "oracle", args.only
+    CeilingTrainer.pos_std, CeilingTrainer.freeze_tower = args.pos_std, args.freeze_tower
     out = args.out or tempfile.mkdtemp(prefix="vl_ceiling-")
     s = VLSettings(out=out, steps=args.steps, vl_scenes=args.scenes, vl_questions=args.questions, lr=args.lr,
-                   eval_every=args.eval_every or args.steps // 2, ckpt_every=10 ** 9, device=args.device)
+                   vision_lr_scale=args.tower_lr_scale, eval_every=args.eval_every or args.steps // 2,
+                   ckpt_every=10 ** 9, device=args.device)
     t0 = time.perf_counter()
     try:
         result = CeilingTrainer(s, progress=True).train()
