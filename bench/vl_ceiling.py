@@ -78,10 +78,10 @@ class FactFeatures(K3ForConditionalGeneration):
 
 
 class CeilingTrainer(VLTrainer):
-    """VLTrainer with fact features (`oracle`) and/or one question type (`only`)."""
+    """VLTrainer with fact features (`oracle`), one question type (`only`), and the tower's position
+    table drawn at `pos_std` or the tower frozen."""
     oracle = False
     only: str | None = None
-
     pos_std: float | None = None
     freeze_tower = False
 
