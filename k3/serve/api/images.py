@@ -98,8 +98,9 @@ def decode_image_bytes(data: bytes, where: str, *, max_pixels: int, expect: str 
         if width * height > max_pixels:  # before decoding the pixels: a decompression bomb stops here
             raise ImageError(f"{where}: the image is {width} x {height} pixels, over the limit of {max_pixels:,}")
         image.load()
-        # a camera's EXIF Orientation tag says how to show the pixels: apply it, as transformers' load_image does
-        image = ImageOps.exif_transpose(image)
+        # a camera's EXIF Orientation tag says how to show the pixels: apply it, as transformers' load_image
+        # does; in place, so an image without one (nearly all) is not copied
+        ImageOps.exif_transpose(image, in_place=True)
     except ImageError:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
