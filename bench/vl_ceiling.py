@@ -39,7 +39,6 @@ from k3.train.vl_trainer import VLSettings, VLTrainer
 
 EMPTY, DIGITS, SHAPES = 0, 1, 11  # fact codes: empty cell, 1 + digit, 11 + 3 * colour + kind
 CODES = SHAPES + len(corpus.COLOURS) * len(corpus.KINDS)
-CELL_PX = 28  # the default 84-px scene: 3 x 3 cells, each one 2 x 2 merge window of 14-px patches
 
 
 def fact_table(dim: int, seed: int = 1) -> torch.Tensor:
@@ -52,14 +51,10 @@ def fact_table(dim: int, seed: int = 1) -> torch.Tensor:
 
 
 def cell_codes(scene: corpus.Scene) -> list[int]:
-    """The fact code of each cell of an 84-px scene, in raster order (= the merged rows' order)."""
-    codes = [EMPTY] * corpus.GRID ** 2
-    for s in scene.shapes:
-        codes[s.box[1] // CELL_PX * corpus.GRID + s.box[0] // CELL_PX] = (
-            SHAPES + list(corpus.COLOURS).index(s.colour) * len(corpus.KINDS) + corpus.KINDS.index(s.kind))
-    if scene.digit is not None:
-        codes[scene.digit_box[1] // CELL_PX * corpus.GRID + scene.digit_box[0] // CELL_PX] = DIGITS + scene.digit
-    return codes
+    """The fact code of each cell in raster order (at 84 px, each cell is one merged row, in that order)."""
+    colours = list(corpus.COLOURS)
+    return [EMPTY if x is None else DIGITS + x if isinstance(x, int) else
+            SHAPES + colours.index(x.colour) * len(corpus.KINDS) + corpus.KINDS.index(x.kind) for x in scene.cells()]
 
 
 class FactFeatures(K3ForConditionalGeneration):

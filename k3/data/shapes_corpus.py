@@ -76,6 +76,16 @@ class Scene:
     def count(self, colour: str | None = None, kind: str | None = None) -> int:
         return sum((colour is None or s.colour == colour) and (kind is None or s.kind == kind) for s in self.shapes)
 
+    def cells(self) -> list[Shape | int | None]:
+        """What each cell of the GRID x GRID grid holds, in raster order: a Shape, the digit, or None."""
+        cell = self.image.width // GRID
+        items: list[Shape | int | None] = [None] * GRID ** 2
+        for shape in self.shapes:
+            items[shape.box[1] // cell * GRID + shape.box[0] // cell] = shape
+        if self.digit is not None:
+            items[self.digit_box[1] // cell * GRID + self.digit_box[0] // cell] = self.digit
+        return items
+
 
 @dataclass(frozen=True)
 class QA:

@@ -146,12 +146,7 @@ def scene_questions(seed: int, index: int, questions: int, image_size: int) -> t
 def describe(scene: corpus.Scene) -> str:
     """The scene cell by cell in raster order of the corpus's 3 x 3 grid: "Scene: -, red circle,
     7, ..." ("-" an empty cell, a digit as itself): every item's colour, kind and position."""
-    cell = scene.image.width // corpus.GRID
-    items = ["-"] * corpus.GRID ** 2
-    for shape in scene.shapes:
-        items[shape.box[1] // cell * corpus.GRID + shape.box[0] // cell] = f"{shape.colour} {shape.kind}"
-    if scene.digit is not None:
-        items[scene.digit_box[1] // cell * corpus.GRID + scene.digit_box[0] // cell] = str(scene.digit)
+    items = ["-" if x is None else str(x) if isinstance(x, int) else f"{x.colour} {x.kind}" for x in scene.cells()]
     return "Scene: " + ", ".join(items)
 
 
