@@ -10,11 +10,12 @@ at indices from COLD_START_OFFSET on, away from an RL run's pool indices 0..pool
 spaces (one-digit arithmetic) still repeat some pool problems, which is fine for training prompts.
 The embedded default SFT set's training conversations (tool use, plain answers) are mixed in.
 
-`--efforts max,high,low` renders the episodes at those effort levels in turn, so the SFT model
-has seen the effort message change what it does before RL and MOPD rely on it: a `low` episode
-keeps the answer and drops the think trace (what a low expert converges to under tau = 0.5,
-docs/LOG.md "RL and distillation"); `high` and `max` keep the reference trace, which is already
-the shortest correct one, and RL separates them.
+The episodes take the effort levels of `--efforts` in turn (default max, high, low), so the SFT
+model has seen the effort message change what it does before RL and MOPD rely on it: a `low`
+episode keeps the answer and drops the think trace (what a low expert converges to under
+tau = 0.5); `high` and `max` keep the reference trace, which is already the shortest correct one,
+and RL separates them. With max alone the SFT model thinks as long at every level, and so does a
+MOPD student started from it (docs/LOG.md "RL and distillation").
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from k3.rl.effort import effort as effort_level
 from k3.sft import default_set
 
 COLD_START_OFFSET = 1_000_000
+DEFAULT_EFFORTS = ("max", "high", "low")
 
 
 def _names(text: str, flag: str) -> list[str]:
@@ -66,7 +68,7 @@ def episode(task, effort: str = "max") -> dict:
 
 
 def conversations(domains: Sequence[str], n: int, seed: int = 0, default_size: int = 0,
-                  efforts: Sequence[str] = ("max",)) -> list[dict]:
+                  efforts: Sequence[str] = DEFAULT_EFFORTS) -> list[dict]:
     """`n` reference episodes of each domain, interleaved domain by domain, the k-th of each domain
     at efforts[k % len(efforts)], then `default_size` conversations of the default SFT set's
     training split spread evenly among them."""
@@ -91,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=200, help="reference episodes per domain (default 200)")
     ap.add_argument("--default-set", type=int, default=320,
                     help="conversations of the embedded default SFT set mixed in (default 320)")
-    ap.add_argument("--efforts", default="max",
-                    help="effort levels the episodes take in turn, e.g. max,high,low (default max; low: no trace)")
+    ap.add_argument("--efforts", default=",".join(DEFAULT_EFFORTS),
+                    help="effort levels the episodes take in turn (default %(default)s; low: no trace)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:

@@ -28,8 +28,10 @@ def test_efforts_take_turns_and_low_drops_the_trace(tmp_path):
     assert [c.get("reasoning_effort") for c in convs] == [None, "low", None]
     assert "reasoning_content" in convs[0]["messages"][-1] and "reasoning_content" not in convs[1]["messages"][-1]
     assert convs[1]["messages"][-1]["content"] == make_domain("arithmetic").tasks("train", 2, start=1_000_000)[1].answer
-    assert conversations(["strings"], 4) == conversations(["strings"], 4, efforts=["max"])  # the default
+    assert conversations(["strings"], 4) == conversations(["strings"], 4, efforts=["max", "high", "low"])  # the default
     path = tmp_path / "cold.jsonl"
-    assert main([str(path), "--size", "3", "--default-set", "0", "--efforts", "max,high,low"]) == 0
+    assert main([str(path), "--size", "3", "--default-set", "0"]) == 0
     assert {c.reasoning_effort for c in read_conversations(path)} == {None, "high", "low"}
+    assert main([str(path), "--size", "3", "--default-set", "0", "--efforts", "max"]) == 0
+    assert {c.reasoning_effort for c in read_conversations(path)} == {None}
     assert main([str(tmp_path / "x.jsonl"), "--efforts", "max,lazy"]) == 2
