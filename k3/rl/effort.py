@@ -22,8 +22,9 @@ trajectory longer than tau * b0(x), and three effort levels that differ only in 
   level above: 1 and 0.5), and trained in that order, each starting from the level above
   (`Effort.parent`): the policy learns to solve within the budget, rather than being cut off at
   inference (seeds §6.1.2). The budgets always come from max's b0; which checkpoint a level starts
-  from is the caller's choice (docs/RL.md "The low expert"). Each level is given to the model by XTML's effort message
-  (`Effort.xtml_kwargs()` -> `reasoning_effort="low" | "high" | "max"`, k3/text/xtml.py).
+  from is the caller's choice (docs/RL.md "The low expert"). Each level is given to the model by
+  XTML's effort message (`Effort.xtml_kwargs()` -> `reasoning_effort="low" | "high" | "max"`,
+  k3/text/xtml.py).
 """
 from __future__ import annotations
 
