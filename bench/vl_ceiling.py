@@ -19,7 +19,6 @@ VLTrainer's (data, optimizer, schedule, chat form, held-out eval through the ser
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import tempfile
 import time
@@ -34,7 +33,7 @@ from PIL import Image
 
 from k3.data import shapes_corpus as corpus
 from k3.model.multimodal import K3ForConditionalGeneration
-from k3.train.vl_data import scene_questions
+from k3.train.vl_data import scene_questions, scene_rng
 from k3.train.vl_trainer import VLSettings, VLTrainer
 
 EMPTY, DIGITS, SHAPES = 0, 1, 11  # fact codes: empty cell, 1 + digit, 11 + 3 * colour + kind
@@ -110,7 +109,7 @@ class CeilingTrainer(VLTrainer):
         s, docs = self.s, []
         for i in indices:
             if self.only:
-                rng, qas = random.Random(f"k3-vl/train/{s.seed}/{i}"), []
+                rng, qas = scene_rng(s.seed, i), []
                 while not qas:  # a scene that has a question of the type (colour_of needs a lone kind)
                     scene = corpus.make_scene(rng, s.image_size)
                     qas = [p for p in corpus.qa_pairs(scene) if p.qtype == self.only]

@@ -24,11 +24,12 @@ import sys
 from collections.abc import Sequence
 
 from k3.rl.domains import make_domain
+from k3.rl.effort import EFFORTS
 from k3.rl.effort import effort as effort_level
 from k3.sft import default_set
 
 COLD_START_OFFSET = 1_000_000
-DEFAULT_EFFORTS = ("max", "high", "low")
+DEFAULT_EFFORTS = tuple(EFFORTS)  # max, high, low: every level, in training order
 
 
 def _names(text: str, flag: str) -> list[str]:

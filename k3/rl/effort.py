@@ -19,10 +19,10 @@ trajectory longer than tau * b0(x), and three effort levels that differ only in 
   the max expert room to think.
 - Levels (`EFFORTS`): max has the large tau (TAU_MAX = 2: twice what SFT needed, so it seldom
   binds and max learns to solve); high and low are derived from max by lowering tau (each half the
-  level above: 1 and 0.5), and trained in that order, each starting from the level above
-  (`Effort.parent`): the policy learns to solve within the budget, rather than being cut off at
-  inference (seeds §6.1.2). The budgets always come from max's b0; which checkpoint a level starts
-  from is the caller's choice (docs/RL.md "The low expert"). Each level is given to the model by
+  level above: 1 and 0.5), trained in that order (`Effort.parent`, the level each tau derives
+  from), all against max's b0: the policy learns to solve within the budget, rather than being cut
+  off at inference (seeds §6.1.2). Which checkpoint a level starts from is the caller's choice
+  (docs/RL.md "The low expert"). Each level is given to the model by
   XTML's effort message (`Effort.xtml_kwargs()` -> `reasoning_effort="low" | "high" | "max"`,
   k3/text/xtml.py).
 """
@@ -52,7 +52,7 @@ DEFAULT_BUDGET = {"arithmetic": 48.0, "strings": 32.0, "tool": 160.0}
 class Effort:
     name: str  # the XTML effort level: low / high / max
     tau: float  # a trajectory longer than tau * b0(x) gets reward -1
-    parent: str | None  # the level this one is trained from (None: max, trained from the SFT model)
+    parent: str | None  # the level this one's tau is derived from (None: max)
 
     def budget(self, b0: float) -> float:
         return self.tau * b0

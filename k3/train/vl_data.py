@@ -13,9 +13,9 @@ loss mask, as `k3 sft` learns: each reply after its generation prompt (the empty
 close, the response channel, the answer, the closing markers through `<|end_of_msg|>`).
 With `describe`, a last turn asks for the scene cell by cell ("Scene: -, red circle, 7, ...") and
 learns it whole (an option: it did not speed up learning the questions, docs/VISION.md).
-Scene i of a run is drawn from `random.Random(f"k3-vl/train/{seed}/{i}")` (the corpus's held-out split
-uses "k3-shapes/heldout/...", an independent stream), so a step's documents are a pure function of
-(seed, step) and resume needs no sampler state.
+Scene i of a run is drawn from `scene_rng(seed, i)`, a stream of its own ("k3-vl/train/{seed}/{i}";
+the corpus's held-out split uses "k3-shapes/heldout/..."), so a step's documents are a pure
+function of (seed, step) and resume needs no sampler state.
 A packed row is the step's text windows (k3/train/packing.py, their own segments) followed by the VL
 documents, one `cu_seqlens` segment each: no document sees another, text or image.
 """
@@ -131,11 +131,17 @@ class VLEncoder:
                      pixels, grid, len(qas) + (description is not None))
 
 
+def scene_rng(seed: int, index: int) -> random.Random:
+    """The generator of training scene `index` (its own stream, so a step's data is a function of
+    (seed, step) and resume is exact)."""
+    return random.Random(f"k3-vl/train/{seed}/{index}")
+
+
 def scene_questions(seed: int, index: int, questions: int, image_size: int) -> tuple[corpus.Scene, list[corpus.QA]]:
     """Scene `index` of the training stream and `questions` of its questions: types drawn uniformly
     without replacement among those the scene answers (as the corpus draws a held-out question's
     type), then one question of each type."""
-    rng = random.Random(f"k3-vl/train/{seed}/{index}")
+    rng = scene_rng(seed, index)
     scene = corpus.make_scene(rng, image_size)
     pairs = corpus.qa_pairs(scene)
     types = [t for t in corpus.QUESTION_TYPES if any(p.qtype == t for p in pairs)]
