@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-samples", type=int, help=f"init-model samples per prompt for b0 (default {d.budget_samples})")
     p.add_argument("--kl-coef", type=float, help=f"per-token k3 KL to the init model (default {d.kl_coef})")
     p.add_argument("--normalize-std", action="store_true", default=None, help="divide advantages by the group std")
+    p.add_argument("--filter-groups", action="store_true", default=None,
+                   help="train only episodes whose advantage is nonzero (drop groups of equal rewards)")
     add_rl_arguments(p, d)
 
 

@@ -118,6 +118,7 @@ class RLSettings(RolloutSettings):
     budget_samples: int = 4  # SFT samples per prompt for b0(x)
     kl_coef: float = 0.0  # weight of the per-token k3 KL to the init model
     normalize_std: bool = False  # divide advantages by the group's reward std
+    filter_groups: bool = False  # train only episodes with a nonzero advantage (DAPO's group filter)
 
     @property
     def tau_value(self) -> float:
@@ -214,8 +215,8 @@ class RLTrainer(Trainer):
         self.ref_model = None
         if settings.kl_coef > 0:
             self.ref_model = load_pretrained(self.init_checkpoint).to(self.world.device).eval().requires_grad_(False)
+        self._start_rollouts(resume)  # before the budgets: a fresh run measures them through the engine
         self.budgets = self._budgets(budgets)
-        self._start_rollouts(resume)
 
     def _load_chat_model(self, settings: RolloutSettings, resume: bool, verb: str) -> K3ForCausalLM:
         """The run folder, the init model (on resume: an empty one of the run's own config, which the
@@ -294,21 +295,31 @@ class RLTrainer(Trainer):
         return given
 
     def _measure_budgets(self) -> dict[str, Budget]:
-        """b0(x) of every pool and held-out task: the median T(y) of the init model's correct samples."""
+        """b0(x) of every pool and held-out task: the median T(y) of the init model's correct samples,
+        `budget_samples` episodes per task sampled at max effort through the rollout engine (each task
+        a group: its prompt is computed once, and the shared system prefix once for all)."""
         s = self.s
-        tasks = self.pool + self.heldout_tasks
-        repeated = [t for t in tasks for _ in range(s.budget_samples)]
-        self.log(f"measuring cold-start budgets: {len(repeated)} sampled episodes of the init model ...")
+        tasks = self._measured = self.pool + self.heldout_tasks
+        per_call = max(1, BUDGET_BATCH // s.budget_samples)
+        n = len(tasks) * s.budget_samples
+        self.log(f"measuring cold-start budgets: {n} sampled episodes of the init model ...")
+        t0 = time.perf_counter()
         samples: dict[str, list[tuple[bool, int]]] = {t.id: [] for t in tasks}
-        for start in range(0, len(repeated), BUDGET_BATCH):
-            chunk = repeated[start:start + BUDGET_BATCH]
-            for e in run_episodes(self.model, self.chat, chunk, "max", s.max_tokens, temperature=s.temperature,
-                                  seed=s.seed * 7919 + start):
-                samples[e.task.id].append((e.score.correct, e.length))
+        for call, start in enumerate(range(0, len(tasks), per_call)):
+            prompts = [self._prompt(tasks[j], "max", {"measure": j, "turn": 1})
+                       for j in range(start, min(start + per_call, len(tasks)))]
+            # seeds below the training iterations' (seed * 1_000_003 + step + 1, step >= 0)
+            completed, _, _ = self._play(prompts, s.budget_samples, [], s.seed * 1_000_003 - call, 1.0)
+            for task, turns in completed:
+                score = task.verify([self._reply(t)[1] for t in turns])
+                samples[task.id].append((score.correct, length_of([t.completion_ids for t in turns], task.domain,
+                                                                  self.chat)))
+        self.rollouts.reset_cache()  # iteration 1 starts from an empty cache, as a resumed run would
         reference = {t.id: reference_length(t, self.chat) for t in tasks}
         budgets = cold_start_budgets(samples, s.domain, reference=reference)
         solved = sum(b.n_correct > 0 for b in budgets.values())
-        self.log(f"budgets: {solved} of {len(budgets)} prompts solved at least once by the init model")
+        self.log(f"budgets: {solved} of {len(budgets)} prompts solved at least once by the init model "
+                 f"({time.perf_counter() - t0:.0f} s)")
         return budgets
 
     # ------------------------------------------------------------------ checkpoints
@@ -333,14 +344,17 @@ class RLTrainer(Trainer):
     def _new_prompts(self, limit: int) -> list[Prompt]:
         """At most `limit` of this iteration's training prompts (a function of seed and step)."""
         s = self.s
-        out = []
-        for i in windows_for_step(len(self.pool), s.seed, self.step, s.prompts)[:limit]:
-            r = self.pool[i].render(self.chat, None, s.effort)
-            out.append(Prompt(tuple(r.token_ids), tuple(r.boundaries), tag={"task": i, "turn": 1}))
-        return out
+        return [self._prompt(self.pool[i], s.effort, {"task": i, "turn": 1})
+                for i in windows_for_step(len(self.pool), s.seed, self.step, s.prompts)[:limit]]
+
+    def _prompt(self, task: Task, effort: str, tag: dict) -> Prompt:
+        r = task.render(self.chat, None, effort)
+        return Prompt(tuple(r.token_ids), tuple(r.boundaries), tag=tag)
 
     def task_of(self, tag: dict) -> tuple[Task, str]:
         """The task a trajectory's tag names, and the effort level it is rendered at."""
+        if "measure" in tag:  # a cold-start budget episode (pool, then held-out tasks), at max effort
+            return self._measured[tag["measure"]], "max"
         return self.pool[tag["task"]], self.s.effort
 
     def prompts_per_iteration(self) -> int:
@@ -369,11 +383,19 @@ class RLTrainer(Trainer):
         capacity = self.prompts_per_iteration() * s.samples
         prompts = self._new_prompts(max(0, (capacity - len(carry)) // s.samples))
         self.unfinished = []
+        completed, self.unfinished, stats = self._play(prompts, s.samples, carry, s.seed * 1_000_003 + self.step + 1,
+                                                       s.stop_fraction)
+        return completed, {**stats, "resumed": len(carry), "new": len(prompts) * s.samples}
+
+    def _play(self, prompts: list[Prompt], samples: int, carry: list[Trajectory], seed: int,
+              stop_fraction: float) -> tuple[list[tuple[Task, list[Trajectory]]], list[Trajectory], dict]:
+        """Roll `prompts` x `samples` out after `carry`: the episodes completed (task, turns), the
+        trajectories left unfinished (paused ones, and next turns of tool episodes), token stats. With
+        stop_fraction 1 every episode runs to its end, each tool turn as a new request."""
         completed = []
-        stats = {"rollout_tokens": 0, "prefix_hits": 0, "resumed": len(carry), "new": len(prompts) * s.samples}
-        seed = s.seed * 1_000_003 + self.step + 1
+        stats = {"rollout_tokens": 0, "prefix_hits": 0}
         while True:
-            batch = self.rollouts.run(prompts, s.samples, stop_fraction=s.stop_fraction, resume=carry, seed=seed)
+            batch = self.rollouts.run(prompts, samples, stop_fraction=stop_fraction, resume=carry, seed=seed)
             stats["rollout_tokens"] += batch.new_tokens
             stats["prefix_hits"] += batch.prefix_hits
             prompts, continuations = [], []
@@ -387,9 +409,8 @@ class RLTrainer(Trainer):
                 else:
                     completed.append((task, turns))
             carry = continuations + batch.unfinished
-            if s.stop_fraction < 1 or not carry:  # lambda = 1: every episode runs to its end now
-                self.unfinished = carry
-                return completed, stats
+            if stop_fraction < 1 or not carry:  # lambda = 1: every episode runs to its end now
+                return completed, carry, stats
 
     def reward(self, task: Task, turns: list[Trajectory]) -> tuple[float, bool, int]:
         """An episode's shaped reward, whether it is correct, and its T(y)."""
@@ -432,9 +453,15 @@ class RLTrainer(Trainer):
                 advantages.append(a if len(group) > 1 else 0.0)
         for g in [g for g, v in self.group_rewards.items() if len(v) >= s.samples]:
             del self.group_rewards[g]  # every episode of the group has trained
-        n = max(len(completed), 1)
+        n, before = max(len(completed), 1), len(trained)
+        if s.filter_groups and any(advantages):
+            # a zero advantage (a group of equal rewards) has no policy gradient; left in, its tokens only
+            # dilute the token mean and cost a forward and backward (DAPO, arXiv:2503.14476 §3.2)
+            kept = [(t, a) for t, a in zip(trained, advantages) if a != 0.0]
+            trained, advantages = [t for t, _ in kept], [a for _, a in kept]
         return trained, advantages, {"reward": sum(rewards) / n, "accuracy": sum(correct) / n,
-                                     "mean_length": sum(lengths) / n, "within_budget": sum(within) / n}
+                                     "mean_length": sum(lengths) / n, "within_budget": sum(within) / n,
+                                     "filtered": before - len(trained)}
 
     @property
     def share_prompts(self) -> bool:

@@ -159,3 +159,50 @@ def test_bad_settings_are_one_line_errors(init_run, tmp_path, change, message):
         RLTrainer(settings(init_run, tmp_path / "x", **change), progress=False, log=quiet)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "x").exists()
+
+
+def test_budgets_are_measured_through_the_engine(init_run, tmp_path, monkeypatch):
+    """Each pool and held-out task gets `budget_samples` episodes as one group of the rollout engine
+    (its prompt computed once), the same ones for the same seed, and the cache is empty after."""
+    seen = []
+    real_run = rl_trainer.Rollouts.run
+
+    def run(self, prompts, K, **kw):
+        batch = real_run(self, prompts, K, **kw)
+        seen.append((len(prompts), K, batch.prefix_hits))
+        return batch
+
+    monkeypatch.setattr(rl_trainer.Rollouts, "run", run)
+    budgets = []
+    for out in ("m1", "m2"):
+        trainer = RLTrainer(settings(init_run, tmp_path / out, budget_samples=3, pool=5, heldout=3), progress=False,
+                            log=quiet)
+        try:
+            assert trainer.rollouts.engine.cache.stats.queries == 0  # a fresh engine for iteration 1
+            budgets.append({k: dataclasses.asdict(b) for k, b in trainer.budgets.items()})
+        finally:
+            trainer.close()
+    assert budgets[0] == budgets[1] and len(budgets[0]) == 8
+    assert all(b["n_samples"] == 3 for b in budgets[0].values())
+    measured = seen[:len(seen) // 2]
+    assert sum(n for n, _, _ in measured) == 8 and all(k == 3 for _, k, _ in measured)
+    assert sum(h for _, _, h in measured) >= 8 * 2  # each group's two followers reuse the leader's prompt
+
+
+def test_filter_groups_trains_only_nonzero_advantages(init_run, tmp_path, monkeypatch):
+    rewards = {"0/0/0": 1.0, "0/0/1": 1.0, "0/1/0": 1.0, "0/1/1": 0.0}  # group 0 all equal, group 1 not
+    monkeypatch.setattr(RLTrainer, "reward", lambda self, task, turns: (rewards[turns[0].uid], False, 1))
+    for filtered in (False, True):
+        trainer = RLTrainer(settings(init_run, tmp_path / str(filtered), samples=2, filter_groups=filtered),
+                            progress=False, log=quiet)
+        try:
+            completed = [(trainer.pool[0], [Trajectory(uid, uid[:3], 0, 0, [1], 1, 4, tag={"task": 0, "turn": 1})])
+                         for uid in rewards]
+            trained, advantages, record = trainer.score(completed)
+        finally:
+            trainer.close()
+        if filtered:
+            assert [t.uid for t in trained] == ["0/1/0", "0/1/1"] and advantages == [0.5, -0.5]
+            assert record["filtered"] == 2
+        else:
+            assert len(trained) == 4 and advantages == [0.0, 0.0, 0.5, -0.5] and record["filtered"] == 0
