@@ -70,7 +70,7 @@ from k3.train.trainer import BALANCE_RULES, Trainer, validate_update
 BUDGETS_FILE = "budgets.json"
 HELDOUT_FILE = "heldout.jsonl"
 TRAIN_ROW_TOKENS = 8192  # tokens per packed training forward (micro-batch)
-BUDGET_BATCH = 128  # episodes per batch when measuring cold-start budgets
+BUDGET_BATCH = 128  # episodes per rollout call when measuring cold-start budgets (the engine queues)
 
 
 @dataclass
@@ -311,9 +311,7 @@ class RLTrainer(Trainer):
             # seeds below the training iterations' (seed * 1_000_003 + step + 1, step >= 0)
             completed, _, _ = self._play(prompts, s.budget_samples, [], s.seed * 1_000_003 - call, 1.0)
             for task, turns in completed:
-                score = task.verify([self._reply(t)[1] for t in turns])
-                samples[task.id].append((score.correct, length_of([t.completion_ids for t in turns], task.domain,
-                                                                  self.chat)))
+                samples[task.id].append(self.outcome(task, turns))
         self.rollouts.reset_cache()  # iteration 1 starts from an empty cache, as a resumed run would
         reference = {t.id: reference_length(t, self.chat) for t in tasks}
         budgets = cold_start_budgets(samples, s.domain, reference=reference)
@@ -412,11 +410,15 @@ class RLTrainer(Trainer):
             if stop_fraction < 1 or not carry:  # lambda = 1: every episode runs to its end now
                 return completed, carry, stats
 
+    def outcome(self, task: Task, turns: list[Trajectory]) -> tuple[bool, int]:
+        """Whether an episode is correct (the domain's verifier) and its T(y)."""
+        correct = task.verify([self._reply(t)[1] for t in turns]).correct
+        return correct, length_of([t.completion_ids for t in turns], task.domain, self.chat)
+
     def reward(self, task: Task, turns: list[Trajectory]) -> tuple[float, bool, int]:
         """An episode's shaped reward, whether it is correct, and its T(y)."""
-        score = task.verify([self._reply(t)[1] for t in turns])
-        length = length_of([t.completion_ids for t in turns], task.domain, self.chat)
-        return shaped_reward(score.correct, length, self.budgets[task.id].b0, self.s.tau_value), score.correct, length
+        correct, length = self.outcome(task, turns)
+        return shaped_reward(correct, length, self.budgets[task.id].b0, self.s.tau_value), correct, length
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
