@@ -30,7 +30,7 @@ from k3.checkpoint.official import CheckpointError, load_pretrained
 from k3.checkpoint.run_folder import pin
 from k3.rl.domains import Task, make_domain
 from k3.rl.effort import EFFORTS, Budget, load_budgets
-from k3.rl.episodes import run_episodes, summarize
+from k3.rl.episodes import run_episodes, summarize, train_rows
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, token_logprobs
 from k3.rl.rollout import Prompt, Trajectory
 from k3.rl.trainer import BUDGETS_FILE, HELDOUT_FILE, RLTrainer, RolloutSettings, check, validate_rollout
@@ -151,7 +151,7 @@ class DistillTrainer(RLTrainer):
 
     def score(self, completed):
         """Every turn of every completed episode trains; the advantages come per token from the teacher."""
-        trained = [t for _, turns in completed for t in turns]
+        trained = [row for _, turns in completed for row in train_rows(turns)]
         correct = [task.verify([self._reply(t)[1] for t in turns]).correct for task, turns in completed]
         self.teacher_gap = []
         n = max(len(completed), 1)

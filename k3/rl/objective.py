@@ -169,9 +169,16 @@ class RLBatch:
         return RLBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
+def trained_tokens(trajectory) -> int:
+    """The completion tokens a trajectory trains (an episode row masks its tool results out)."""
+    mask = getattr(trajectory, "completion_mask", None)
+    return sum(mask) if mask is not None else len(trajectory.completion_ids)
+
+
 def pack_trajectories(trajectories: Sequence, advantages: Sequence[float] | torch.Tensor) -> RLBatch:
     """One packed row from trajectories (anything with prompt_ids, completion_ids, logprobs,
-    versions; k3.rl.rollout.Trajectory), each with its advantage."""
+    versions, and optionally a completion_mask of the tokens it trains: k3.rl.rollout.Trajectory,
+    k3.rl.episodes.EpisodeRow), each with its advantage."""
     adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
     if adv.numel() != len(trajectories):
         raise ValueError(f"{len(trajectories)} trajectories but {adv.numel()} advantages")
@@ -183,13 +190,16 @@ def pack_trajectories(trajectories: Sequence, advantages: Sequence[float] | torc
         if not len(t.logprobs) == len(t.versions) == len(completion):
             raise ValueError(f"trajectory {n}: {len(completion)} completion tokens, {len(t.logprobs)} log-probs, "
                              f"{len(t.versions)} versions")
+        trains = list(getattr(t, "completion_mask", None) or [True] * len(completion))
+        if len(trains) != len(completion) or not any(trains):
+            raise ValueError(f"trajectory {n}: its completion mask must cover its completion and train a token")
         seqn = prompt + completion
         P, L = len(prompt), len(seqn) - 1
         ids += seqn[:-1]
         targets += seqn[1:]
-        mask += [False] * (P - 1) + [True] * len(completion)
+        mask += [False] * (P - 1) + trains
         old += [0.0] * (P - 1) + list(t.logprobs)
-        a += [0.0] * (P - 1) + [float(adv[n])] * len(completion)
+        a += [0.0] * (P - 1) + [float(adv[n]) if k else 0.0 for k in trains]
         ver += [-1] * (P - 1) + list(t.versions)
         seq += [n] * L
         cu.append(cu[-1] + L)

@@ -16,21 +16,25 @@ from k3.train.prefix_tree import first_targets, tail_logits
 
 def prompt_split(batch) -> list[int] | None:
     """Per trajectory of an `RLBatch` (k3.rl.objective), its first target position (whose input is
-    the prompt's last token), in the packed row. None when sharing does not apply: a segment whose
-    targets are not one run through its end, or a prompt of one token (nothing to share)."""
+    the prompt's last token), in the packed row. None when sharing does not apply: a prompt of one
+    token (nothing to share)."""
     firsts = first_targets(batch.mask, batch.cu_seqlens)
-    if firsts is None:
+    if firsts is None or any(first == start for start, first in zip(batch.cu_seqlens.tolist(), firsts)):
         return None
-    mask = batch.mask.tolist()
-    for start, first, end in zip(batch.cu_seqlens.tolist(), firsts, batch.cu_seqlens.tolist()[1:]):
-        if first == start or not all(mask[first:end]):
-            return None
     return firsts
 
 
 def shared_prompt_logits(model, batch) -> torch.Tensor | None:
     """Logits [M, V] fp32 at the batch's masked positions, in their packed order, with shared
     prompt tokens run once; None when nothing is shared or the batch's layout does not allow it
-    (the caller then runs the whole packed forward)."""
+    (the caller then runs the whole packed forward). A tail may have untrained positions (an
+    episode row's tool results): they run with it, and their logits are dropped."""
     firsts = prompt_split(batch)
-    return None if firsts is None else tail_logits(model, batch.input_ids, batch.cu_seqlens, firsts)
+    if firsts is None:
+        return None
+    logits = tail_logits(model, batch.input_ids, batch.cu_seqlens, firsts)
+    if logits is None:
+        return None
+    ends = batch.cu_seqlens.tolist()[1:]
+    keep = torch.cat([batch.mask[first:end] for first, end in zip(firsts, ends)])
+    return logits if bool(keep.all()) else logits[keep.to(logits.device)]

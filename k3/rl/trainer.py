@@ -46,7 +46,7 @@ from k3.checkpoint.run_folder import latest_checkpoint, pin, read_pins, write_pi
 from k3.config import K3Config
 from k3.generation.generate import MAX_TEMPERATURE
 from k3.model.transformer import K3ForCausalLM
-from k3.rl.domains import DOMAIN_CLASSES, Task, continue_with_tool_results, make_domain, needs_another_turn
+from k3.rl.domains import DOMAIN_CLASSES, Task, make_domain, needs_another_turn
 from k3.rl.effort import (
     EFFORTS,
     Budget,
@@ -57,8 +57,8 @@ from k3.rl.effort import (
     save_budgets,
     shaped_reward,
 )
-from k3.rl.episodes import run_episodes, summarize
-from k3.rl.objective import ObjectiveConfig, pack_trajectories, policy_loss, token_logprobs
+from k3.rl.episodes import next_turn, run_episodes, summarize, train_rows
+from k3.rl.objective import ObjectiveConfig, pack_trajectories, policy_loss, token_logprobs, trained_tokens
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
 from k3.serve.engine import EngineConfig
 from k3.sft.trainer import adopt_chat_model
@@ -364,13 +364,14 @@ class RLTrainer(Trainer):
         return task, self.chat.parse_reply(rendered, t.completion_ids)
 
     def _continuation(self, t: Trajectory, episode: str, task: Task, reply) -> Trajectory:
-        """The next turn of a tool episode: the history with the tool results, as a fresh trajectory."""
-        history = continue_with_tool_results(task, reply, t.tag.get("messages"))
-        r = task.render(self.chat, history, self.task_of(t.tag)[1])
+        """The next turn of a tool episode, as a fresh trajectory whose prompt is this turn's prompt
+        and reply as sampled, then the tool results (token in / token out, k3/rl/episodes.py)."""
+        nxt = next_turn(self.chat, task, self.task_of(t.tag)[1], t.tag.get("messages"), reply, t.prompt_ids,
+                        t.completion_ids, t.boundaries)
         turn = t.tag["turn"] + 1
         uid = f"{episode}+{turn}"
-        return Trajectory(uid, t.group_id, t.group, t.sample, list(r.token_ids), _seed_of(uid), self.s.max_tokens,
-                          tuple(r.boundaries), {**t.tag, "turn": turn, "episode": episode, "messages": history})
+        return Trajectory(uid, t.group_id, t.group, t.sample, nxt.token_ids, _seed_of(uid), self.s.max_tokens,
+                          nxt.boundaries, {**t.tag, "turn": turn, "episode": episode, "messages": nxt.messages})
 
     def rollout(self) -> tuple[list[tuple[Task, list[Trajectory]]], dict]:
         """One iteration's rollout: the episodes it completed (task, turns) and rollout stats."""
@@ -450,8 +451,8 @@ class RLTrainer(Trainer):
             if s.normalize_std and len(group) > 1:
                 std = (sum((x - mean) ** 2 for x in group) / len(group)) ** 0.5
                 a = a / (std + 1e-6)
-            for t in turns:
-                trained.append(t)
+            for row in train_rows(turns):  # a tool episode: one row, its replies trained
+                trained.append(row)
                 advantages.append(a if len(group) > 1 else 0.0)
         for g in [g for g, v in self.group_rewards.items() if len(v) >= s.samples]:
             del self.group_rewards[g]  # every episode of the group has trained
@@ -479,7 +480,7 @@ class RLTrainer(Trainer):
         """One optimizer step on the trained trajectories: the clipped per-token objective, token-averaged."""
         s, device = self.s, self.world.device
         version = self.rollouts.policy_version
-        total = sum(len(t.completion_ids) for t in trained)
+        total = sum(trained_tokens(t) for t in trained)
         metrics: dict[str, float] = {}
         self.model.train()
         for row, adv in self._rows(trained, advantages):

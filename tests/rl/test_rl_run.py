@@ -1,17 +1,19 @@
 """`k3 rl` end to end on a very small model: iterations train, partial rollout loses and duplicates
 no episode, a run killed mid-iteration (with paused trajectories) resumes bit for bit, tool
-episodes continue with their tool results, and bad settings are refused in one line."""
+episodes continue token in / token out and train as one row, and bad settings are refused in one line."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 import k3.rl.trainer as rl_trainer
 from k3.rl.domains import continue_with_tool_results
+from k3.rl.objective import trained_tokens
 from k3.rl.rollout import Trajectory
 from k3.rl.trainer import RLSettings, RLTrainer
 from k3.train.errors import TrainError
@@ -133,15 +135,28 @@ def test_tool_episode_continues_with_the_tool_result(init_run, tmp_path):
         prompt = task.render(trainer.chat, None, "max").token_ids
         whole = trainer.chat.render(task.messages + [call], tools=task.tools, reasoning_effort="max",
                                     add_generation_prompt=False).token_ids
+        reply_ids = whole[len(prompt):]
         first = Trajectory("0/0/0", "0/0", 0, 0, list(prompt), 1, 64, tag={"task": 0, "turn": 1},
-                           completion_ids=whole[len(prompt):], finish_reason="stop")
+                           completion_ids=reply_ids, logprobs=[-1.0] * len(reply_ids), versions=[0] * len(reply_ids),
+                           finish_reason="stop")
         _, reply = trainer._reply(first)
         assert reply.tool_calls and not reply.errors
         nxt = trainer._continuation(first, first.uid, task, reply)
         history = continue_with_tool_results(task, reply)
         assert nxt.prompt_ids == task.render(trainer.chat, history, "max").token_ids
+        assert nxt.prompt_ids[:len(prompt) + len(reply_ids)] == list(prompt) + reply_ids  # token in / token out
         assert nxt.tag["turn"] == 2 and nxt.group_id == first.group_id and not nxt.completion_ids
         assert json.loads(json.dumps(rl_trainer._dump(nxt))) == rl_trainer._dump(nxt)  # checkpointable
+        # the reference answer as the second turn: a correct episode, trained as one row
+        answer = trainer.chat.render(history + task.reference[2:], tools=task.tools, reasoning_effort="max",
+                                     add_generation_prompt=False).token_ids[len(nxt.prompt_ids):]
+        nxt.completion_ids, nxt.logprobs, nxt.versions = answer, [-1.0] * len(answer), [0] * len(answer)
+        nxt.finish_reason = "stop"
+        trained, advantages, record = trainer.score([(task, [first, nxt])])
+        assert record["accuracy"] == 1.0 and len(trained) == 1 and trained[0].turns == [first, nxt]
+        assert trained_tokens(trained[0]) == len(reply_ids) + len(answer)
+        metrics = trainer.optimize(trained, [1.0])
+        assert metrics["trained_tokens"] == len(reply_ids) + len(answer) and math.isfinite(metrics["loss"])
     finally:
         trainer.close()
 

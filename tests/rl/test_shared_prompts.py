@@ -16,21 +16,22 @@ from k3.rl.shared_prompts import prompt_split, shared_prompt_logits
 from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 
 
-def _traj(prompt, completion):
+def _traj(prompt, completion, trains=None):
     return SimpleNamespace(prompt_ids=prompt, completion_ids=completion, logprobs=[-1.0] * len(completion),
-                           versions=[0] * len(completion))
+                           versions=[0] * len(completion), completion_mask=trains)
 
 
 def _groups(seed: int = 5):
     """Two groups of 3 samples (prompts of 70 and 9 tokens: past a KDA chunk and within one) and one
-    lone trajectory, completions of 1-40 tokens, interleaved as a trainer's rows may be."""
+    lone trajectory, completions of 1-40 tokens, one with untrained tokens inside (a tool episode's
+    row, k3/rl/episodes.py), interleaved as a trainer's rows may be."""
     g = torch.Generator().manual_seed(seed)
     def rand(n: int) -> list[int]:
         return torch.randint(3, 320, (n,), generator=g).tolist()
 
     a, b = rand(70), rand(9)
     trajs = [_traj(a, rand(40)), _traj(b, rand(1)), _traj(a, rand(7)), _traj(rand(30), rand(12)),
-             _traj(b, rand(23)), _traj(a, rand(16)), _traj(b, rand(5))]
+             _traj(b, rand(23), [True] * 6 + [False] * 9 + [True] * 8), _traj(a, rand(16)), _traj(b, rand(5))]
     return pack_trajectories(trajs, torch.randn(len(trajs), generator=g).tolist())
 
 
