@@ -35,9 +35,9 @@ trajectories have finished it aborts the rest; each unfinished one is returned w
 log-probs, per-token versions and generator state, and the next `run(..., resume=unfinished)`
 re-submits prompt + partial completion as a new request that keeps sampling. Its prefix-cache
 hit reaches the latest KDA checkpoint on its path (a hybrid model resumes nowhere else, SPEC §11):
-the prompt end, saved by the group's leader, or the end of an earlier resumption's prompt; the
-tokens sampled since are recomputed by chunked prefill (keeping the state at the pause point
-needs an engine feature: docs/RL.md). Every trajectory comes back exactly once from each `run`
+the one the engine kept where the aborted request stopped (its last sampled token is computed
+again), or if the pool evicted it, an earlier one (the prompt end at worst) and the tokens since
+are recomputed by chunked prefill. Every trajectory comes back exactly once from each `run`
 it enters, finished or not; a `run` that raises leaves the engine empty but its trajectories
 half-updated (restart the iteration from saved copies).
 

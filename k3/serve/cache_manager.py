@@ -2,7 +2,8 @@
 
 Each running request owns:
 - an MLA page table (shared full pages from a hit plus its own pages; refs held);
-- a private KDA state: one snapshot's worth of pages per KDA layer, never shared, never cached;
+- a private KDA state: one snapshot's worth of pages per KDA layer, never shared while it runs; when
+  it stops, the prefix cache may adopt these pages as the checkpoint where it stopped (`retain`);
 - for the current step only: pinned hit sources waiting to be copied, and checkpoint pages being
   written at a boundary.
 Every tensor operation this implies is returned as a plan of page copies / page zeroing that
@@ -40,11 +41,12 @@ class RequestPages:
 
 class CacheManager:
     def __init__(self, layout: PageLayout, num_pages: int, *, hash_block_size: int = 64,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, retain_stopped: bool = True):
         self.layout = layout
         self.pool = BlockPool(num_pages)
         self.prefix = PrefixCache(self.pool, layout, hash_block_size)
         self.enable_prefix_caching = enable_prefix_caching
+        self.retain_stopped = retain_stopped  # cache a stopped request's state where it stopped (`retain`)
         self.requests: dict[str, RequestPages] = {}
 
     @property
@@ -154,6 +156,23 @@ class CacheManager:
             pages.checkpoint = None
         self.pool.release(pages.pinned)
         pages.pinned = []
+
+    def retain(self, request: Request) -> bool:
+        """Before `free`: cache the request's KDA state where it stopped, at its computed length, as a
+        checkpoint made of its own state pages (adopted, not copied), so a later prompt that extends
+        its tokens (the next chat turn, a paused rollout resumed) computes none of them again (SGLang
+        caches a finished request's Mamba state the same way). True when adopted: the runner must then
+        write the state back to those pages before the next step touches any page. Not when nothing
+        sound is there: tokens computed past what the request kept (a stop inside speculated drafts)
+        or a checkpoint being written this step."""
+        pages = self.requests.get(request.request_id)
+        computed = request.num_computed_tokens
+        if (pages is None or not self.enable_prefix_caching or not self.retain_stopped or not self.layout.num_kda_layers
+                or pages.checkpoint is not None or not 0 < computed < request.num_tokens):
+            return False
+        tokens = request.hash_token_ids
+        extend_block_hashes(request.block_hashes, tokens, self.prefix.hash_block_size)
+        return self.prefix.insert(tokens, request.block_hashes, computed, pages.page_table, pages.state)
 
     def free(self, request: Request) -> None:
         """Release everything the request holds (finish, abort, preemption)."""

@@ -227,9 +227,10 @@ class LLMEngine:
         with self._lock:
             while self._aborts:
                 rid, status = self._aborts.popleft()
-                request = self.scheduler.finish(rid, status)
+                request = self.scheduler.finish(rid, status, retain=True)  # between steps: its state is sound
                 if request is not None:
                     outputs.append(self._output(request, []))
+            self.runner.write_retained(self.scheduler.take_retained())
             out = self.scheduler.schedule()
             params = {r.request_id: self.scheduler.requests[r.request_id].sampling for r in out.requests}
         try:
@@ -249,7 +250,8 @@ class LLMEngine:
                 # None: a prompt-only request finished, or its prompt's scores failed
                 new = result.sampled.get(request.request_id) if request.error is None else None
                 outputs.append(self._output(request, [] if not new or new[0].error is not None else new))
-            if not self.scheduler.has_unfinished:  # idle: the decode slots hold no finished request
+            self.runner.write_retained(self.scheduler.take_retained())
+            if not self.scheduler.has_unfinished:  # idle: the decode slots hold no running request
                 self.runner.release_held_requests()
         return outputs
 

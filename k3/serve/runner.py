@@ -241,6 +241,16 @@ class ModelRunner:
         self.slots.holds = None
         self._states_behind = []
 
+    @torch.inference_mode()
+    def write_retained(self, retained: set[str]) -> None:
+        """Write the KDA states of stopped requests that the prefix cache adopted as checkpoints
+        (Scheduler.take_retained) to their pages, where only the decode slots hold them; the other
+        rows stay where they are."""
+        rows = [(row, r) for row, r in enumerate(self._states_behind) if r.request_id in retained]
+        if rows:
+            index = [row for row, _ in rows]
+            self.write_states([r for _, r in rows], self.slots.conv[:, index], self.slots.recurrent[:, index])
+
     def _flush_states(self, released: set[str]) -> None:
         """Write the KDA states that only the slots hold to pages, for requests not freed since."""
         behind, self._states_behind = self._states_behind, []

@@ -82,6 +82,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._released: set[str] = set()  # SchedulerOutput.released of the next output
+        self._retained: set[str] = set()  # stopped requests whose state the cache adopted (`take_retained`)
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -96,8 +97,9 @@ class Scheduler:
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
-    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Stop a request now (abort, stop string) and free its pages; None if unknown."""
+    def finish(self, request_id: str, status: RequestStatus, *, retain: bool = False) -> Request | None:
+        """Stop a request now (abort, stop string) and free its pages; None if unknown. `retain`:
+        its state is sound (it did not fail), so the prefix cache may keep it where it stopped."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -106,9 +108,18 @@ class Scheduler:
         else:
             self.running.remove(request)
         request.status = status
+        if retain and self.cache.retain(request):
+            self._retained.add(request_id)
         self.cache.free(request)
         self._released.add(request_id)
         return request
+
+    def take_retained(self) -> set[str]:
+        """The requests stopped since the last call whose KDA state the prefix cache adopted: the
+        runner must write those states to their pages (they may live only in the decode slots)
+        before the engine returns or schedules, so a cached page never changes after caching."""
+        retained, self._retained = self._retained, set()
+        return retained
 
     @property
     def has_unfinished(self) -> bool:
@@ -240,7 +251,7 @@ class Scheduler:
                 request.prompt_logprobs += entries
             if request.sampling.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                 changed.append(request)  # a prompt-only request: scored, nothing to sample
-                self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+                self.finish(request.request_id, RequestStatus.FINISHED_LENGTH, retain=True)
                 continue
             if not s.sample:
                 continue
@@ -255,7 +266,7 @@ class Scheduler:
                 status = self._stop_status(request, token)
                 if status is not None:
                     del new[k + 1:]
-                    self.finish(request.request_id, status)
+                    self.finish(request.request_id, status, retain=True)
                     break
         return changed
 

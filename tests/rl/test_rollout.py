@@ -115,6 +115,8 @@ def test_partial_rollout(model, prompts):
         if t.uid in paused:  # each token carries the version that sampled it; the resumption hit the cache
             assert t.versions == [0] * paused[t.uid] + [1] * (len(t.completion_ids) - paused[t.uid])
             assert t.segments[-1].version == 1 and t.segments[-1].cached_tokens >= len(t.prompt_ids) - 1 > 0
+            if paused[t.uid]:  # the engine kept its state where it paused: only the last token again
+                assert t.segments[1].cached_tokens == t.segments[1].prompt_tokens - 1
 
     everything = first.finished + second.finished + last.finished
     counts = Counter(t.uid for t in everything)

@@ -61,7 +61,7 @@ def test_pool_order_refcounts_and_errors():
 
 # ---------------------------------------------------------------------- prefix cache
 def test_kda_checkpoint_hit_with_copy_on_write_exact_pages():
-    cm = CacheManager(layout(), 11, hash_block_size=8)
+    cm = CacheManager(layout(), 11, hash_block_size=8, retain_stopped=False)  # page orders without it
     s = Scheduler(cm, max_num_batched_tokens=64)
     r1 = request("r1", PROMPT)
     s.add_request(r1)
@@ -92,6 +92,32 @@ def test_kda_checkpoint_hit_with_copy_on_write_exact_pages():
     st = cm.stats
     assert (st.queries, st.hits, st.hit_tokens, dict(st.miss_reasons)) == (2, 1, 9, {"no_prefix_match": 1})
     assert r2.num_cached_tokens == 9
+
+
+def test_a_stopped_request_leaves_its_state_pages_as_a_checkpoint():
+    cm = CacheManager(layout(), 11, hash_block_size=8)
+    s = Scheduler(cm, max_num_batched_tokens=64)
+    r1 = request("r1", PROMPT, max_tokens=3)
+    s.add_request(r1)
+    while s.has_unfinished:
+        run_step(s, token=7)
+    # 10 prompt tokens and 3 sampled: 12 computed, the last sampled one never run
+    assert r1.status == RequestStatus.FINISHED_LENGTH and r1.output_token_ids == [7, 7, 7]
+    entry = next(e for e in cm.prefix.entries.values() if e.length == 12)
+    assert entry.kda_pages == [[0]]  # its private state page, adopted: no copy
+    assert cm.pool.ref_cnt == [0] * 11 and cm.pool.is_cached(0)
+    assert s.take_retained() == {"r1"} and not s.take_retained()  # for the runner to write back, once
+    r2 = request("r2", PROMPT + [7, 7, 7, 5])
+    s.add_request(r2)
+    out = s.schedule()
+    assert out.requests[0].num_computed == 12 and out.requests[0].token_ids == [7]  # to its prompt-end checkpoint
+    assert (0, out.requests[0].state_pages[0][0]) in out.plan.copy_before
+    s.update(out, {})
+    out = s.schedule()
+    # a request that fails leaves no state behind: its state may be what failed
+    s.update(out, {"r2": [SampledToken(0, error="non-finite logits")]})
+    assert r2.status == RequestStatus.FINISHED_ERROR and not s.take_retained()
+    assert not any(e.length == 14 and e.kda_pages for e in cm.prefix.entries.values())
 
 
 def test_prompt_shorter_than_a_page_hits_on_resend():
@@ -128,7 +154,7 @@ def test_mla_match_without_checkpoint_reports_reason_and_saves_junction():
 
 
 def test_eviction_order_after_a_hit_and_sibling_invalidation():
-    cm = CacheManager(layout(num_kda_layers=2), 11, hash_block_size=8)
+    cm = CacheManager(layout(num_kda_layers=2), 11, hash_block_size=8, retain_stopped=False)
     s = Scheduler(cm, max_num_batched_tokens=64)
     s.add_request(request("a", PROMPT))
     run_step(s)

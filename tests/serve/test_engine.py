@@ -176,10 +176,11 @@ def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, 
     # the slots are filled after the prefill (step 2), for the batch with one left and one joined
     # (step 5) and after the cancellation (step 7); the other decode steps continue on them
     assert steps == ["packed", "fill", "continue", "continue", "fill", "continue", "fill", "continue", "continue"]
-    # decode steps leave the KDA states in the slots: they reach pages after the prefill and when the
-    # slots are refilled, for the requests still there (not the cancelled one, whose pages are free)
-    assert [bool(w) for w in written] == [True, False, False, False, True, False, True, False, False]
-    assert not cancelled_pages & set(written[6])
+    # decode steps leave the KDA states in the slots: they reach pages after the prefill, when the
+    # slots are refilled, and for a request that stopped, into the pages the prefix cache adopted as
+    # its checkpoint, in the step it stopped (steps 4 and 9; the cancelled one at step 7)
+    assert [bool(w) for w in written] == [True, False, False, True, True, False, True, False, True]
+    assert cancelled_pages <= set(written[6])
     for request, prompt, n in [(stays, 0, 8), (finishes, 1, 3), (joins, 1, 5)]:
         assert request.output_token_ids == generate(model, [prompts[prompt]], n)[0]
     assert cancelled.output_token_ids == generate(model, [prompts[3]], 8)[0][:5]
@@ -285,6 +286,30 @@ def test_ten_turn_chat_reuses_previous_turns(model, tokenizer):
     hit_rate = sum(rates[1:]) / 9
     print(f"10-turn chat: prompt-token hit rate on turns 2-10 = {hit_rate:.1%} (per turn {[f'{r:.0%}' for r in rates]})")
     assert rates[0] == 0 and hit_rate >= 0.7
+
+
+@pytest.mark.parametrize("how", ["finished", "aborted", "idle"])
+def test_a_stopped_request_leaves_its_state_for_the_next_turn(model, prompts, how):
+    """Where a request stops (finished, aborted mid-decode, or the last one before the engine goes
+    idle), its KDA state is cached: a prompt that extends its tokens computes only what is new, and
+    decodes what a fresh model would."""
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8))
+    first = engine.add_request(prompts[2], dataclasses.replace(GREEDY, max_tokens=9))
+    other = engine.add_request(prompts[0], dataclasses.replace(GREEDY, max_tokens=12)) if how != "idle" else None
+    while not first.status.finished:
+        engine.step()
+        if how == "aborted" and len(first.output_token_ids) == 5:
+            engine.abort(first.request_id)
+    stopped = prompts[2] + first.output_token_ids
+    follow = engine.add_request(stopped + prompts[1][:6], dataclasses.replace(GREEDY, max_tokens=5))
+    while engine.has_unfinished:
+        engine.step()
+    assert len(first.output_token_ids) == (5 if how == "aborted" else 9)
+    assert follow.num_cached_tokens == len(stopped) - 1  # all but the last token, which was never run
+    assert follow.output_token_ids == generate(model, [stopped + prompts[1][:6]], 5)[0]
+    if other is not None:
+        assert other.output_token_ids == generate(model, [prompts[0]], 12)[0]
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 
 def test_one_token_prompt_decodes_from_an_empty_cache(model, prompts):

@@ -157,7 +157,7 @@ def test_multi_turn_reuses_checkpoints_and_logprobs_and_stops_match(model, draft
     while engine.has_unfinished:
         outputs += [t for o in engine.step() for t in o.new_tokens]
     assert r1.output_token_ids == expected[0] and r2.output_token_ids == expected[1]
-    assert r2.num_cached_tokens == len(first) - 1  # the first turn's prompt-end checkpoint was reused
+    assert r2.num_cached_tokens == len(first) + len(reply) - 1  # the state where the first turn stopped
     plain = LLMEngine(model, EngineConfig(block_size=4))
     plain.add_request(second, greedy)
     reference = []
