@@ -139,6 +139,19 @@ class Budget:
     n_correct: int
 
 
+def sampled_figures(budgets: Iterable[Budget]) -> dict | None:
+    """What budget episodes say about the model that sampled them, over these prompts: pass@k (the
+    share solved by at least one of its k samples) and the sampled accuracy; None when nothing was
+    sampled. RL at this scale mostly turns pass@k into greedy accuracy (docs/LOG.md "RL and
+    distillation"), so pass@k is the figure to read a run's gain against."""
+    sampled = [b for b in budgets if b.n_samples]
+    if not sampled:
+        return None
+    return {"prompts": len(sampled), "k": min(b.n_samples for b in sampled),
+            "pass_at_k": sum(b.n_correct > 0 for b in sampled) / len(sampled),
+            "accuracy": sum(b.n_correct for b in sampled) / sum(b.n_samples for b in sampled)}
+
+
 def reference_length(task, xtml, effort_name: str = "max") -> int:
     """T(y) of the task's reference solution (k3/rl/domains.py), rendered in `xtml`'s tokens."""
     history, turns = list(task.messages), []

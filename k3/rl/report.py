@@ -73,6 +73,10 @@ def write_rl_report(run_dir: Path, *, settings: dict, params: dict, records: lis
                    f"{last['accuracy']:.1%} (step {last['step']}), {last['episodes']} prompts, greedy |"),
                   f"| held-out mean T(y) | {first['mean_length']:.1f} -> {last['mean_length']:.1f} tokens |",
                   f"| held-out within budget | {first['within_budget']:.1%} -> {last['within_budget']:.1%} |"]
+    sampled = next((r for r in records if r["kind"] == "init_sampled"), None)
+    if sampled is not None:  # the budget episodes: what RL can turn into greedy accuracy
+        lines.append(f"| init model, held-out, sampled | pass@{sampled['k']} {sampled['pass_at_k']:.1%}, "
+                     f"accuracy {sampled['accuracy']:.1%} ({sampled['prompts']} prompts) |")
     lines += [f"| wall time | {wall_time_s / 60:.1f} min |", f"| checkpoint | `{checkpoint}` |", "",
               f"![curves]({PLOT_FILE})", "", "## Settings", "", "```json", json.dumps(settings, indent=2), "```", ""]
     samples = [r for r in records if r["kind"] == "sample"]

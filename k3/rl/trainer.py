@@ -54,6 +54,7 @@ from k3.rl.effort import (
     length_of,
     load_budgets,
     reference_length,
+    sampled_figures,
     save_budgets,
     shaped_reward,
 )
@@ -216,6 +217,7 @@ class RLTrainer(Trainer):
         if settings.kl_coef > 0:
             self.ref_model = load_pretrained(self.init_checkpoint).to(self.world.device).eval().requires_grad_(False)
         self._start_rollouts(resume)  # before the budgets: a fresh run measures them through the engine
+        self.init_sampled: dict | None = None  # set when this run measures the budgets
         self.budgets = self._budgets(budgets)
 
     def _load_chat_model(self, settings: RolloutSettings, resume: bool, verb: str) -> K3ForCausalLM:
@@ -318,6 +320,11 @@ class RLTrainer(Trainer):
         solved = sum(b.n_correct > 0 for b in budgets.values())
         self.log(f"budgets: {solved} of {len(budgets)} prompts solved at least once by the init model "
                  f"({time.perf_counter() - t0:.0f} s)")
+        self.init_sampled = sampled_figures(budgets[t.id] for t in self.heldout_tasks)
+        if self.init_sampled is not None:
+            f = self.init_sampled
+            self.log(f"init model on the held-out prompts, sampled: pass@{f['k']} {f['pass_at_k']:.1%}, "
+                     f"accuracy {f['accuracy']:.1%} (RL's gain in greedy accuracy reads against pass@k)")
         return budgets
 
     # ------------------------------------------------------------------ checkpoints
@@ -551,7 +558,8 @@ class RLTrainer(Trainer):
         baseline = self.step == 0 and not any(r["kind"] == "heldout" for r in self.metrics.read())
         if baseline:  # the init model's held-out figures (once: a resume before step 1 keeps them)
             ev = self.evaluate()
-            self._record([ev, *self.samples()])
+            sampled = [{"kind": "init_sampled", "step": 0, **self.init_sampled}] if self.init_sampled else []
+            self._record([*sampled, ev, *self.samples()])
             self.log(self.eval_line(ev))
         result = super().train()
         if self.world.is_main:

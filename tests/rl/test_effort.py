@@ -16,6 +16,7 @@ from k3.rl.effort import (
     length_of,
     load_budgets,
     reference_length,
+    sampled_figures,
     save_budgets,
     shaped_reward,
     think_tokens,
@@ -139,3 +140,11 @@ def test_budgets_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a budgets file"):
         load_budgets(tmp_path / "bad.json")
+
+
+def test_sampled_figures_read_pass_at_k_from_the_budget_episodes():
+    budgets = [Budget("a", "strings", 8.0, "correct", 4, 1), Budget("b", "strings", 8.0, "correct", 4, 3),
+               Budget("c", "strings", 8.0, "reference", 4, 0), Budget("d", "strings", 8.0, "correct", 4, 4)]
+    f = sampled_figures(budgets)
+    assert f == {"prompts": 4, "k": 4, "pass_at_k": 0.75, "accuracy": 0.5}
+    assert sampled_figures([Budget("e", "strings", 8.0, "default", 0, 0)]) is None  # given, not sampled

@@ -83,6 +83,9 @@ def test_synchronous_run_finishes_every_episode_and_resumes(init_run, tmp_path, 
     rl(s)
     for r in records(tmp_path / "s", "train"):
         assert r["episodes"] == 4 and r["unfinished"] == 0 and r["staleness"] == 0
+    [sampled] = records(tmp_path / "s", "init_sampled")  # the budget episodes, on the held-out prompts
+    assert sampled["prompts"] == s.heldout and sampled["k"] == s.budget_samples
+    assert f"pass@{s.budget_samples} " in (tmp_path / "s" / "report.md").read_text()
     resumed = RLTrainer.from_run(tmp_path / "s", progress=False, log=quiet)  # run.json with a set tau reads back
     try:
         assert resumed.s == s and resumed.step == 2
