@@ -196,6 +196,7 @@ class RLTrainer(Trainer):
     CHAT_MODEL = True
     OPTIONAL_STRINGS = ("budgets", "out", "cache_dir")
     OPTIONAL_FLOATS = ("tau",)
+    init_sampled: dict | None = None  # the init model's held-out pass@k, when this run measures the budgets
 
     @staticmethod
     def default_run_name(settings) -> str:
@@ -217,7 +218,6 @@ class RLTrainer(Trainer):
         if settings.kl_coef > 0:
             self.ref_model = load_pretrained(self.init_checkpoint).to(self.world.device).eval().requires_grad_(False)
         self._start_rollouts(resume)  # before the budgets: a fresh run measures them through the engine
-        self.init_sampled: dict | None = None  # set when this run measures the budgets
         self.budgets = self._budgets(budgets)
 
     def _load_chat_model(self, settings: RolloutSettings, resume: bool, verb: str) -> K3ForCausalLM:
