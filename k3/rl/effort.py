@@ -142,8 +142,8 @@ class Budget:
 def sampled_figures(budgets: Iterable[Budget]) -> dict | None:
     """What budget episodes say about the model that sampled them, over these prompts: pass@k (the
     share solved by at least one of its k samples) and the sampled accuracy; None when nothing was
-    sampled. RL at this scale mostly turns pass@k into greedy accuracy (docs/LOG.md "RL and
-    distillation"), so pass@k is the figure to read a run's gain against."""
+    sampled. Sharpening the policy can turn at most pass@k into greedy accuracy without teaching new
+    solutions, so pass@k is the figure to read a run's gain against (docs/LOG.md "RL and distillation")."""
     sampled = [b for b in budgets if b.n_samples]
     if not sampled:
         return None

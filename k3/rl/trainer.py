@@ -324,7 +324,7 @@ class RLTrainer(Trainer):
         if self.init_sampled is not None:
             f = self.init_sampled
             self.log(f"init model on the held-out prompts, sampled: pass@{f['k']} {f['pass_at_k']:.1%}, "
-                     f"accuracy {f['accuracy']:.1%} (RL's gain in greedy accuracy reads against pass@k)")
+                     f"accuracy {f['accuracy']:.1%} (what sharpening can reach)")
         return budgets
 
     # ------------------------------------------------------------------ checkpoints
