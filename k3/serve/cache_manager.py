@@ -160,7 +160,7 @@ class CacheManager:
     def retain(self, request: Request) -> bool:
         """Before `free`: cache the request's KDA state where it stopped, at its computed length, as a
         checkpoint made of its own state pages (adopted, not copied), so a later prompt that extends
-        its tokens (the next chat turn, a paused rollout resumed) computes none of them again (SGLang
+        its tokens (the next chat turn, a paused rollout resumed) computes only its last one again (SGLang
         caches a finished request's Mamba state the same way). True when adopted: the runner must then
         write the state back to those pages before the next step touches any page. Not when nothing
         sound is there: tokens computed past what the request kept (a stop inside speculated drafts)

@@ -251,7 +251,7 @@ class Scheduler:
                 request.prompt_logprobs += entries
             if request.sampling.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                 changed.append(request)  # a prompt-only request: scored, nothing to sample
-                self.finish(request.request_id, RequestStatus.FINISHED_LENGTH, retain=True)
+                self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
                 continue
             if not s.sample:
                 continue
