@@ -170,9 +170,9 @@ class CacheManager:
         if (pages is None or not self.enable_prefix_caching or not self.retain_stopped or not self.layout.num_kda_layers
                 or pages.checkpoint is not None or not 0 < computed < request.num_tokens):
             return False
-        tokens = request.hash_token_ids
-        extend_block_hashes(request.block_hashes, tokens, self.prefix.hash_block_size)
-        return self.prefix.insert(tokens, request.block_hashes, computed, pages.page_table, pages.state)
+        # `commit` hashed every full block of the computed tokens already
+        return self.prefix.insert(request.hash_token_ids, request.block_hashes, computed, pages.page_table,
+                                  pages.state)
 
     def free(self, request: Request) -> None:
         """Release everything the request holds (finish, abort, preemption)."""

@@ -246,19 +246,18 @@ class ModelRunner:
         """Write the KDA states of stopped requests that the prefix cache adopted as checkpoints
         (Scheduler.take_retained) to their pages, where only the decode slots hold them; the other
         rows stay where they are."""
-        rows = [(row, r) for row, r in enumerate(self._states_behind) if r.request_id in retained]
-        if rows:
-            index = [row for row, _ in rows]
-            self.write_states([r for _, r in rows], self.slots.conv[:, index], self.slots.recurrent[:, index])
+        self._write_slot_rows([(row, r) for row, r in enumerate(self._states_behind) if r.request_id in retained])
 
     def _flush_states(self, released: set[str]) -> None:
         """Write the KDA states that only the slots hold to pages, for requests not freed since."""
         behind, self._states_behind = self._states_behind, []
-        alive = [(row, r) for row, r in enumerate(behind) if r.request_id not in released]
-        if not alive:
-            return
-        rows = [row for row, _ in alive]
-        self.write_states([r for _, r in alive], self.slots.conv[:, rows], self.slots.recurrent[:, rows])
+        self._write_slot_rows([(row, r) for row, r in enumerate(behind) if r.request_id not in released])
+
+    def _write_slot_rows(self, rows: list[tuple[int, ScheduledRequest]]) -> None:
+        """Store the KDA states of these (slot row, request) pairs in the requests' state pages."""
+        if rows:
+            index = [row for row, _ in rows]
+            self.write_states([r for _, r in rows], self.slots.conv[:, index], self.slots.recurrent[:, index])
 
     def build_cache(self, requests: list[ScheduledRequest]) -> K3Cache:
         """A packed step's cache: the requests' states and latents read from their pages, MLA
