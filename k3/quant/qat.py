@@ -13,9 +13,15 @@ Attention, latent projections, shared experts, router and lm_head stay in high p
 the model code does not change: the bank exposes `weights()` / `inputs()` for exactly this.
 The swap changes the module's class only, so every Parameter keeps its identity (an optimizer
 built before `apply_qat` keeps working) and state-dict names do not move.
+
+`reused_weight_quantization(model)` is for inference between weight updates (an RL rollout, an
+evaluation): inside it, a forward without autograd quantizes each bank's weights once and reuses
+them while the Parameters' version counters stand still (an optimizer step or a load_state_dict
+moves them); gradient-mode forwards still quantize every time. On leaving it the copies go.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -56,7 +62,16 @@ class MXQATExperts(RoutedExperts):
     """RoutedExperts computing with MXFP4 weights and MXFP8 matmul inputs, straight-through."""
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(fake_quantize_ste(w, WEIGHT_FORMAT, WEIGHT_RULE) for w in (self.w1, self.w3, self.w2))
+        params = (self.w1, self.w3, self.w2)
+        reused = self.__dict__.get("_reused")
+        if reused is None or torch.is_grad_enabled():
+            return tuple(fake_quantize_ste(w, WEIGHT_FORMAT, WEIGHT_RULE) for w in params)
+        # an in-place update (optimizer step, copy_) bumps _version; a rebound .data moves data_ptr
+        key = tuple((w.data_ptr(), w._version) for w in params)
+        if reused.get("key") != key:
+            reused["weights"] = tuple(fake_quantize(w.detach(), WEIGHT_FORMAT, WEIGHT_RULE) for w in params)
+            reused["key"] = key
+        return reused["weights"]
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         return _quantize_input(x)
@@ -69,6 +84,20 @@ class MXQATExperts(RoutedExperts):
                 raise ValueError(f"MX QAT needs expert input widths divisible by {BLOCK}; {name} is {tuple(w.shape)}")
         experts.__class__ = cls
         experts.act = functools.partial(_glu_then_quantize, act=experts.act)
+
+
+@contextlib.contextmanager
+def reused_weight_quantization(model: nn.Module):
+    """Inside: autograd-free forwards quantize each QAT bank's weights once per weight version (see
+    the module docstring); a model without QAT banks is untouched."""
+    banks = [m for m in model.modules() if isinstance(m, MXQATExperts) and "_reused" not in m.__dict__]
+    for bank in banks:  # nested: the outermost owns the copies
+        bank.__dict__["_reused"] = {}
+    try:
+        yield
+    finally:
+        for bank in banks:
+            bank.__dict__.pop("_reused", None)
 
 
 def apply_qat(model: nn.Module) -> int:

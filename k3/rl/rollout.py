@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from k3.generation.generate import GREEDY_BELOW
+from k3.quant.qat import reused_weight_quantization
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SampledToken, Sampler, SamplingParams
 from k3.serve.scheduler import QueueFullError
@@ -257,7 +258,8 @@ class Rollouts:
         training = self.model.training
         self.model.eval()
         try:
-            return self._run(list(resume), new, K, target)
+            with reused_weight_quantization(self.model):  # QAT: quantize the weights once per run
+                return self._run(list(resume), new, K, target)
         finally:
             self.model.train(training)
 

@@ -15,7 +15,7 @@ from k3.checkpoint.packed import save_packed
 from k3.model.experts import RoutedExperts
 from k3.model.transformer import K3ForCausalLM
 from k3.quant.mx import E2M1, E4M3, fake_quantize
-from k3.quant.qat import MXQATExperts, apply_qat, fake_quantize_ste
+from k3.quant.qat import MXQATExperts, apply_qat, fake_quantize_ste, reused_weight_quantization
 from tests.helpers import assert_rel_close
 from tests.helpers.models import randomized, small_config
 
@@ -48,6 +48,42 @@ def test_straight_through_estimator():
     g = torch.randn_like(y)
     y.backward(g)
     assert torch.equal(x.grad, g), "identity gradient, saturated elements included"
+
+
+def test_reused_weight_quantization_follows_every_weight_update():
+    """Inside the context an autograd-free forward quantizes once per weight version: the same
+    tensors come back until an optimizer step or a copy_ moves the weights; a gradient-mode forward
+    and the code outside the context quantize afresh."""
+    model = randomized(K3ForCausalLM(small_config()))
+    apply_qat(model)
+    bank = next(m for m in model.modules() if isinstance(m, MXQATExperts))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    fresh = lambda: [fake_quantize(w.detach(), E2M1, "ceil") for w in (bank.w1, bank.w3, bank.w2)]  # noqa: E731
+    with torch.no_grad():
+        plain = model(ids)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with reused_weight_quantization(model):
+        with torch.no_grad():
+            first = bank.weights()
+            assert all(torch.equal(a, b) for a, b in zip(first, fresh()))
+            assert all(a is b for a, b in zip(bank.weights(), first)), "reused while the weights stand"
+            assert torch.equal(model(ids), plain), "the same logits as quantizing every time"
+        with reused_weight_quantization(model):  # nested: the inner one leaves the copies alone
+            pass
+        with torch.no_grad():
+            assert bank.weights()[0] is first[0]
+        grad_mode = bank.weights()
+        assert all(w.requires_grad for w in grad_mode), "gradient-mode forwards quantize with the STE"
+        model(ids).float().pow(2).mean().backward()
+        opt.step()  # in place: bumps the Parameters' version counters
+        with torch.no_grad():
+            stepped = bank.weights()
+            assert stepped[0] is not first[0] and all(torch.equal(a, b) for a, b in zip(stepped, fresh()))
+            bank.w2.copy_(torch.randn_like(bank.w2))
+            assert torch.equal(bank.weights()[2], fresh()[2])
+    assert "_reused" not in bank.__dict__, "the copies go with the context"
+    with torch.no_grad():
+        assert bank.weights()[0] is not bank.weights()[0]
 
 
 def _expert_reference(x, w1, w3, w2, act):
