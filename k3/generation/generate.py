@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from k3.model.cache import K3Cache
+from k3.quant.qat import reused_weight_quantization
 
 # the smallest normal fp32 number: below it a temperature is (or rounds to) zero in fp32
 GREEDY_BELOW = torch.finfo(torch.float32).tiny
@@ -66,28 +67,29 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    cache = K3Cache.empty(model.config, len(prompts), device=device, dtype=dtype)
-    ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
-    cu = torch.tensor([0] + [len(p) for p in prompts], device=device).cumsum(0)
-    logits = model(ids, cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:] - 1)[0]  # last position of each prompt
-    outputs: list[list[int]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))  # prompt index of each row of the cache
-    for _ in range(max_new_tokens):
-        tokens = sample_next(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
-        still = []
-        for row, seq in enumerate(active):
-            token = int(tokens[row])
-            outputs[seq].append(token)
-            if on_token is not None:
-                on_token(seq, token)
-            if token not in stops and len(outputs[seq]) < max_new_tokens:
-                still.append(row)
-        if not still:
-            break
-        if len(still) < len(active):
-            cache = cache.select(still)
-            tokens = tokens[still]
-            active = [active[r] for r in still]
-        step = torch.arange(len(active) + 1, device=device)
-        logits = model(tokens[None], cu_seqlens=step, cache=cache)[0]
+    with reused_weight_quantization(model):  # QAT experts: the weights quantized once, not at every token
+        cache = K3Cache.empty(model.config, len(prompts), device=device, dtype=dtype)
+        ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
+        cu = torch.tensor([0] + [len(p) for p in prompts], device=device).cumsum(0)
+        logits = model(ids, cu_seqlens=cu, cache=cache, logits_to_keep=cu[1:] - 1)[0]  # last position of each prompt
+        outputs: list[list[int]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))  # prompt index of each row of the cache
+        for _ in range(max_new_tokens):
+            tokens = sample_next(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+            still = []
+            for row, seq in enumerate(active):
+                token = int(tokens[row])
+                outputs[seq].append(token)
+                if on_token is not None:
+                    on_token(seq, token)
+                if token not in stops and len(outputs[seq]) < max_new_tokens:
+                    still.append(row)
+            if not still:
+                break
+            if len(still) < len(active):
+                cache = cache.select(still)
+                tokens = tokens[still]
+                active = [active[r] for r in still]
+            step = torch.arange(len(active) + 1, device=device)
+            logits = model(tokens[None], cu_seqlens=step, cache=cache)[0]
     return outputs

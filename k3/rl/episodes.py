@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import torch
 
 from k3.generation.generate import generate
-from k3.quant.qat import reused_weight_quantization
 from k3.rl.domains import Score, Task, continue_with_tool_results, needs_another_turn
 from k3.rl.effort import Budget, length_of, within_budget
 
@@ -114,28 +113,27 @@ def run_episodes(model, xtml, tasks: Sequence[Task], effort: str, max_tokens: in
     was_training = model.training
     model.eval()
     try:
-        with reused_weight_quantization(model):  # QAT: the weights quantized once for every turn
-            history: list[list[dict] | None] = [None] * len(tasks)
-            rendered = [t.render(xtml, None, effort) for t in tasks]
-            prompts = [list(r.token_ids) for r in rendered]
-            turns: list[list[list[int]]] = [[] for _ in tasks]
-            replies: list[list] = [[] for _ in tasks]
-            active = list(range(len(tasks)))
-            turn = 0
-            while active:
-                turn += 1
-                outs = generate(model, [prompts[i] for i in active], max_tokens, temperature=temperature,
-                                eos_token_id=xtml.stop_ids, seed=None if seed is None else seed + turn)
-                still = []
-                for i, ids in zip(active, outs):
-                    reply = xtml.parse_reply(rendered[i], ids)
-                    turns[i].append(list(ids))
-                    replies[i].append(reply)
-                    if needs_another_turn(tasks[i], reply, turn):
-                        nxt = next_turn(xtml, tasks[i], effort, history[i], reply, prompts[i], ids)
-                        history[i], prompts[i], rendered[i] = nxt.messages, nxt.token_ids, nxt.rendered
-                        still.append(i)
-                active = still
+        history: list[list[dict] | None] = [None] * len(tasks)
+        rendered = [t.render(xtml, None, effort) for t in tasks]
+        prompts = [list(r.token_ids) for r in rendered]
+        turns: list[list[list[int]]] = [[] for _ in tasks]
+        replies: list[list] = [[] for _ in tasks]
+        active = list(range(len(tasks)))
+        turn = 0
+        while active:
+            turn += 1
+            outs = generate(model, [prompts[i] for i in active], max_tokens, temperature=temperature,
+                            eos_token_id=xtml.stop_ids, seed=None if seed is None else seed + turn)
+            still = []
+            for i, ids in zip(active, outs):
+                reply = xtml.parse_reply(rendered[i], ids)
+                turns[i].append(list(ids))
+                replies[i].append(reply)
+                if needs_another_turn(tasks[i], reply, turn):
+                    nxt = next_turn(xtml, tasks[i], effort, history[i], reply, prompts[i], ids)
+                    history[i], prompts[i], rendered[i] = nxt.messages, nxt.token_ids, nxt.rendered
+                    still.append(i)
+            active = still
     finally:
         model.train(was_training)
     return [Episode(t, turns[i], replies[i], t.verify(replies[i]), length_of(turns[i], t.domain, xtml))
