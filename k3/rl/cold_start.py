@@ -10,12 +10,14 @@ at indices from COLD_START_OFFSET on, away from an RL run's pool indices 0..pool
 spaces (one-digit arithmetic) still repeat some pool problems, which is fine for training prompts.
 The embedded default SFT set's training conversations (tool use, plain answers) are mixed in.
 
-The episodes take the effort levels of `--efforts` in turn (default max, high, low), so the SFT
-model has seen the effort message change what it does before RL and MOPD rely on it: a `low`
-episode keeps the answer and drops the think trace (what a low expert converges to under
-tau = 0.5); `high` and `max` keep the reference trace, which is already the shortest correct one,
-and RL separates them. With max alone the SFT model thinks as long at every level, and so does a
-MOPD student started from it (docs/LOG.md "RL and distillation").
+The episodes take the effort levels of `--efforts` in turn (default max, high, low), each written
+as that level's expert would (`Task.reference_at`): `max` keeps the reference trace, `high` thinks
+the domain's brief trace (arithmetic: each step's result alone, "12. 36. 32."; strings: the result
+with the scaffolding dropped; tool: the reference trace, already one sentence), `low` keeps the
+answer and drops the think trace (what a low expert converges to under tau = 0.5). So the SFT model
+has seen the effort message change how long it thinks before RL and MOPD rely on it. With one trace
+for max and high, RL did not separate the two (docs/LOG.md "RL and distillation");
+`--high-trace full` gives that older data.
 """
 from __future__ import annotations
 
@@ -55,12 +57,16 @@ def parse_efforts(text: str) -> list[str]:
     return names
 
 
-def episode(task, effort: str = "max") -> dict:
-    """A task's reference episode as a conversation rendered at `effort` (low: no think trace)."""
-    reference = task.reference
-    if effort == "low":
-        reference = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in reference]
-    out = {"messages": task.messages + reference}
+HIGH_TRACES = ("brief", "full")
+
+
+def episode(task, effort: str = "max", high_trace: str = "brief") -> dict:
+    """A task's reference episode as a conversation at `effort` (high: the brief trace unless
+    high_trace is "full"; low: no think trace)."""
+    if high_trace not in HIGH_TRACES:
+        raise ValueError(f"high_trace must be one of {HIGH_TRACES}, got {high_trace!r}")
+    as_level = "max" if effort == "high" and high_trace == "full" else effort
+    out = {"messages": task.messages + task.reference_at(as_level)}
     if task.tools:
         out["tools"] = task.tools
     if effort != "max":  # max is the default effort message; leaving it out keeps old files byte-equal
@@ -69,12 +75,12 @@ def episode(task, effort: str = "max") -> dict:
 
 
 def conversations(domains: Sequence[str], n: int, seed: int = 0, default_size: int = 0,
-                  efforts: Sequence[str] = DEFAULT_EFFORTS) -> list[dict]:
+                  efforts: Sequence[str] = DEFAULT_EFFORTS, high_trace: str = "brief") -> list[dict]:
     """`n` reference episodes of each domain, interleaved domain by domain, the k-th of each domain
     at efforts[k % len(efforts)], then `default_size` conversations of the default SFT set's
     training split spread evenly among them."""
     per = [make_domain(name, seed).tasks("train", n, start=COLD_START_OFFSET) for name in domains]
-    out = [episode(tasks[i], efforts[i % len(efforts)]) for i in range(n) for tasks in per]
+    out = [episode(tasks[i], efforts[i % len(efforts)], high_trace) for i in range(n) for tasks in per]
     extra = default_set.conversations("train", default_size, seed)
     if extra:
         every = max(1, len(out) // len(extra))
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="conversations of the embedded default SFT set mixed in (default 320)")
     ap.add_argument("--efforts", default=",".join(DEFAULT_EFFORTS),
                     help="effort levels the episodes take in turn (default %(default)s; low: no trace)")
+    ap.add_argument("--high-trace", choices=HIGH_TRACES, default="brief",
+                    help="high-effort episodes think the domain's brief trace or the full one (default brief)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"cold_start: error: {e}", file=sys.stderr)
         return 2
-    convs = conversations(domains, args.size, args.seed, args.default_set, efforts)
+    convs = conversations(domains, args.size, args.seed, args.default_set, efforts, args.high_trace)
     default_set.write_jsonl(args.out, convs)
     print(f"wrote {len(convs)} conversations to {args.out}")
     return 0

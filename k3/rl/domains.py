@@ -7,8 +7,9 @@ records an index resumes onto the same task and two machines see the same prompt
   ("7 + 5 = 12. 12 * 3 = 36. 36 - 4 = 32."), the answer in the response. Difficulty is the number
   of operations, drawn from 1..max_level with P(k) ∝ k^-tail: tail 0 is uniform, tail ≈ 1.5 with a
   large max_level is the long-tailed length mix partial rollout is measured on (`LONG_TAIL`).
+  Its brief trace (`Task.brief`, what a high-effort episode thinks) keeps each step's result alone.
 - `strings`: reverse letters, sort numbers, count a letter, take the k-th word; difficulty is the
-  length of the string or list (2 + level).
+  length of the string or list (2 + level). The brief trace keeps the result without the steps.
 - `tool`: the model must call a tool (the SFT tools of k3/sft/tools.py) to learn a value no one can
   guess: a made-up fact from the bundled table (`lookup`) or a unit conversion (`convert`), then
   answer with it. Multi-turn: `continue_with_tool_results` runs the calls and gives the next
@@ -96,10 +97,28 @@ class Task:
     max_turns: int  # assistant turns allowed in an episode
     expected_call: dict | None = None  # tool domain: {"tool": name, "arguments": {...}}
     item: str = field(default="", repr=False)  # the canonical problem text the split is decided on
+    # the high-effort think trace: the reference's steps cut to what a shorter think keeps (None:
+    # the reference trace at every level); cold-start SFT shows each effort its own length (seeds §6.1.2)
+    brief: str | None = field(default=None, repr=False)
 
     def verify(self, replies: Reply | Sequence[Reply]) -> Score:
         """Score an episode: its replies in turn order (or one reply for a one-turn episode)."""
         return DOMAINS[self.domain].verify(self, _as_list(replies))
+
+    def reference_at(self, effort: str = "max") -> list[dict]:
+        """The reference episode as an `effort` expert would write it: max keeps the full trace, high
+        thinks the brief trace (when the domain has one), low answers without thinking."""
+        if effort == "max":
+            return self.reference
+        out = [dict(m) for m in self.reference]
+        if effort == "low":
+            for m in out:
+                m.pop("reasoning_content", None)
+        elif effort == "high" and self.brief is not None:
+            out[0]["reasoning_content"] = self.brief
+        elif effort != "high":
+            raise ValueError(f"effort must be low, high or max, got {effort!r}")
+        return out
 
     def render(self, xtml, messages: list[dict] | None = None, effort: str | None = "max"):
         """The prompt for the next turn in XTML (`messages`: the history so far, default the task's
@@ -240,7 +259,8 @@ class Domain:
     def _make(self, split, index, parts, messages, reference, tools=None, expected_call=None) -> Task:
         return Task(id=f"{self.name}/{split}/{index}/{self.fingerprint}", domain=self.name, split=split, index=index,
                     level=parts["level"], messages=messages, tools=tools, answer=parts["answer"],
-                    reference=reference, max_turns=self.max_turns, expected_call=expected_call, item=parts["item"])
+                    reference=reference, max_turns=self.max_turns, expected_call=expected_call, item=parts["item"],
+                    brief=parts.get("brief"))
 
     # ---- verification
 
@@ -277,7 +297,7 @@ class Arithmetic(Domain):
         lo, hi = (2, 9) if self.digits == 1 else (10, 99)
         value = rng.randint(lo, hi)
         text, top = str(value), ""  # `top`: the expression's outermost operator
-        steps = []
+        steps, results_only = [], []
         for _ in range(level):
             b = rng.randint(lo, hi)
             results = {"+": value + b, "-": value - b, "*": value * b}
@@ -288,9 +308,11 @@ class Arithmetic(Domain):
             text = f"({text}) * {b}" if op == "*" and top in ("+", "-") else f"{text} {op} {b}"
             top = op
             steps.append(f"{value} {op} {b} = {new}.")
+            results_only.append(f"{new}.")
             value = new
+        # brief: each step's result without its operands ("12. 36. 32.")
         return {"level": level, "expression": text, "answer": str(value), "trace": " ".join(steps),
-                "item": f"arithmetic|{text}"}
+                "brief": " ".join(results_only), "item": f"arithmetic|{text}"}
 
     def _task(self, split, index, parts, rng) -> Task:
         messages = [{"role": "user", "content": f"What is {parts['expression']}?"}]
@@ -314,10 +336,12 @@ class Strings(Domain):
             s = "".join(rng.choice(LETTERS) for _ in range(n))
             prompt, answer = f"Reverse the letters: {s}", s[::-1]
             trace = f"{' '.join(s)} backwards is {' '.join(answer)}."
+            brief = f"{' '.join(answer)}."
         elif kind == "sort":
             xs = rng.sample(range(1, 100), n)
             answer = " ".join(map(str, sorted(xs)))
             prompt, trace = f"Sort: {' '.join(map(str, xs))}", f"{' < '.join(map(str, sorted(xs)))}."
+            brief = f"{answer}."
         elif kind == "count":
             letter = rng.choice(LETTERS[:6])
             # the wanted letter at a random share of the places, so counts 0..n all occur
@@ -327,13 +351,16 @@ class Strings(Domain):
             answer = str(len(hits))
             prompt = f"Count the letter {letter} in: {s}"
             trace = f"{letter} at {', '.join(hits)}: {answer}." if hits else f"no {letter}: 0."
+            brief = f"{answer}."
         else:
             words = rng.sample(WORDS, n)
             k = rng.randint(1, n)
             answer = words[k - 1]
             prompt = f"Word {k} of: {' '.join(words)}"
             trace = f"{', '.join(f'{i} {w}' for i, w in enumerate(words[:k], 1))}."
-        return {"level": level, "prompt": prompt, "answer": answer, "trace": trace, "item": f"strings|{prompt}"}
+            brief = f"{answer}."
+        return {"level": level, "prompt": prompt, "answer": answer, "trace": trace, "brief": brief,
+                "item": f"strings|{prompt}"}
 
     def _task(self, split, index, parts, rng) -> Task:
         messages = [{"role": "user", "content": parts["prompt"]}]

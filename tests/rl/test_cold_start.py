@@ -35,3 +35,13 @@ def test_efforts_take_turns_and_low_drops_the_trace(tmp_path):
     assert main([str(path), "--size", "3", "--default-set", "0", "--efforts", "max"]) == 0
     assert {c.reasoning_effort for c in read_conversations(path)} == {None}
     assert main([str(tmp_path / "x.jsonl"), "--efforts", "max,lazy"]) == 2
+
+
+def test_high_thinks_the_brief_trace_and_full_keeps_the_old_data():
+    tasks = make_domain("arithmetic").tasks("train", 3, start=1_000_000)
+    brief = conversations(["arithmetic"], 3)
+    full = conversations(["arithmetic"], 3, high_trace="full")
+    assert brief[0] == full[0] and brief[2] == full[2]  # max and low do not depend on it
+    assert brief[1]["messages"][-1]["reasoning_content"] == tasks[1].brief
+    assert full[1]["messages"][-1]["reasoning_content"] == tasks[1].reference[0]["reasoning_content"]
+    assert brief[1]["messages"][-1]["content"] == full[1]["messages"][-1]["content"] == tasks[1].answer

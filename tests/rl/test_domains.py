@@ -4,6 +4,7 @@ multi-turn episode, and the long-tail difficulty knob."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from functools import lru_cache
 
@@ -280,3 +281,22 @@ def test_long_tail_knob():
     assert flat[int(0.99 * len(flat))] <= 4 * statistics.median(flat)
     levels = [t.level for t in make_domain("arithmetic", **LONG_TAIL).tasks("train", 800)]
     assert levels.count(1) > levels.count(2) > levels.count(4) > 0 and max(levels) >= 10
+
+
+def test_reference_at_each_effort_thinks_less_and_answers_the_same():
+    for name in ("arithmetic", "strings", "tool"):
+        for task in make_domain(name).tasks("train", 24):
+            by = {e: task.reference_at(e) for e in ("max", "high", "low")}
+            assert by["max"] == task.reference
+            think = {e: sum(len(m.get("reasoning_content") or "") for m in r) for e, r in by.items()}
+            assert think["low"] == 0 < think["high"] <= think["max"]
+            if name != "tool":  # the brief trace is strictly shorter; tool keeps its one sentence
+                assert think["high"] < think["max"]
+            for e in ("high", "low"):  # the same answer and calls, the task itself untouched
+                assert [m.get("content") for m in by[e]] == [m.get("content") for m in task.reference]
+                assert [m.get("tool_calls") for m in by[e]] == [m.get("tool_calls") for m in task.reference]
+        with pytest.raises(ValueError, match="effort"):
+            task.reference_at("medium")
+    for t in make_domain("arithmetic").tasks("train", 24):  # arithmetic's brief: each step's result
+        results = re.findall(r"= (\d+)\.", t.reference[0]["reasoning_content"])
+        assert t.brief == " ".join(f"{r}." for r in results) and results[-1] == t.answer
