@@ -51,6 +51,7 @@ from typing import Protocol
 
 from k3.sft.default_set import ANSWERS, DEFAULT_N_TOOLS, REASONING, TEMPLATES, UNIT_PAIRS, WORDS, item_split
 from k3.sft.tools import FACTS, PLACES, TOOLS, UNITS, call_tool, lookup_key, parse_arguments
+from k3.text.xtml import EFFORTS
 
 SPLITS = ("train", "heldout")
 HELDOUT_PERCENT = 20
@@ -108,16 +109,16 @@ class Task:
     def reference_at(self, effort: str = "max") -> list[dict]:
         """The reference episode as an `effort` expert would write it: max keeps the full trace, high
         thinks the brief trace (when the domain has one), low answers without thinking."""
-        if effort == "max":
+        if effort not in EFFORTS:
+            raise ValueError(f"effort must be one of {EFFORTS}, got {effort!r}")
+        if effort == "max" or (effort == "high" and self.brief is None):
             return self.reference
         out = [dict(m) for m in self.reference]
-        if effort == "low":
+        if effort == "high":
+            out[0]["reasoning_content"] = self.brief
+        else:
             for m in out:
                 m.pop("reasoning_content", None)
-        elif effort == "high" and self.brief is not None:
-            out[0]["reasoning_content"] = self.brief
-        elif effort != "high":
-            raise ValueError(f"effort must be low, high or max, got {effort!r}")
         return out
 
     def render(self, xtml, messages: list[dict] | None = None, effort: str | None = "max"):
@@ -336,12 +337,10 @@ class Strings(Domain):
             s = "".join(rng.choice(LETTERS) for _ in range(n))
             prompt, answer = f"Reverse the letters: {s}", s[::-1]
             trace = f"{' '.join(s)} backwards is {' '.join(answer)}."
-            brief = f"{' '.join(answer)}."
         elif kind == "sort":
             xs = rng.sample(range(1, 100), n)
             answer = " ".join(map(str, sorted(xs)))
             prompt, trace = f"Sort: {' '.join(map(str, xs))}", f"{' < '.join(map(str, sorted(xs)))}."
-            brief = f"{answer}."
         elif kind == "count":
             letter = rng.choice(LETTERS[:6])
             # the wanted letter at a random share of the places, so counts 0..n all occur
@@ -351,14 +350,14 @@ class Strings(Domain):
             answer = str(len(hits))
             prompt = f"Count the letter {letter} in: {s}"
             trace = f"{letter} at {', '.join(hits)}: {answer}." if hits else f"no {letter}: 0."
-            brief = f"{answer}."
         else:
             words = rng.sample(WORDS, n)
             k = rng.randint(1, n)
             answer = words[k - 1]
             prompt = f"Word {k} of: {' '.join(words)}"
             trace = f"{', '.join(f'{i} {w}' for i, w in enumerate(words[:k], 1))}."
-            brief = f"{answer}."
+        # brief: the result alone, reversed letters spaced as the trace spaces them
+        brief = f"{' '.join(answer) if kind == 'reverse' else answer}."
         return {"level": level, "prompt": prompt, "answer": answer, "trace": trace, "brief": brief,
                 "item": f"strings|{prompt}"}
 
