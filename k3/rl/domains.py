@@ -101,6 +101,7 @@ class Task:
     # the high-effort think trace: the reference's steps cut to what a shorter think keeps (None:
     # the reference trace at every level); cold-start SFT shows each effort its own length (seeds §6.1.2)
     brief: str | None = field(default=None, repr=False)
+    kind: str = ""  # the sort of problem (strings: reverse / sort / count / nth), for per-kind accuracy
 
     def verify(self, replies: Reply | Sequence[Reply]) -> Score:
         """Score an episode: its replies in turn order (or one reply for a one-turn episode)."""
@@ -261,7 +262,7 @@ class Domain:
         return Task(id=f"{self.name}/{split}/{index}/{self.fingerprint}", domain=self.name, split=split, index=index,
                     level=parts["level"], messages=messages, tools=tools, answer=parts["answer"],
                     reference=reference, max_turns=self.max_turns, expected_call=expected_call, item=parts["item"],
-                    brief=parts.get("brief"))
+                    brief=parts.get("brief"), kind=parts.get("kind", f"level {parts['level']}"))
 
     # ---- verification
 
@@ -313,7 +314,7 @@ class Arithmetic(Domain):
             value = new
         # brief: each step's result without its operands ("12. 36. 32.")
         return {"level": level, "expression": text, "answer": str(value), "trace": " ".join(steps),
-                "brief": " ".join(results_only), "item": f"arithmetic|{text}"}
+                "brief": " ".join(results_only), "item": f"arithmetic|{text}", "kind": f"{level}-step"}
 
     def _task(self, split, index, parts, rng) -> Task:
         messages = [{"role": "user", "content": f"What is {parts['expression']}?"}]
@@ -359,7 +360,7 @@ class Strings(Domain):
         # brief: the result alone, reversed letters spaced as the trace spaces them
         brief = f"{' '.join(answer) if kind == 'reverse' else answer}."
         return {"level": level, "prompt": prompt, "answer": answer, "trace": trace, "brief": brief,
-                "item": f"strings|{prompt}"}
+                "item": f"strings|{prompt}", "kind": kind}
 
     def _task(self, split, index, parts, rng) -> Task:
         messages = [{"role": "user", "content": parts["prompt"]}]

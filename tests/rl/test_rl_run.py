@@ -155,7 +155,7 @@ def test_tool_episode_continues_with_the_tool_result(init_run, tmp_path):
                                      add_generation_prompt=False).token_ids[len(nxt.prompt_ids):]
         nxt.completion_ids, nxt.logprobs, nxt.versions = answer, [-1.0] * len(answer), [0] * len(answer)
         nxt.finish_reason = "stop"
-        trained, advantages, record = trainer.score([(task, [first, nxt])])
+        trained, _advantages, record = trainer.score([(task, [first, nxt])])
         assert record["accuracy"] == 1.0 and len(trained) == 1 and trained[0].turns == [first, nxt]
         assert trained_tokens(trained[0]) == len(reply_ids) + len(answer)
         metrics = trainer.optimize(trained, [1.0])
