@@ -23,10 +23,8 @@ from k3.rl.cold_start import parse_efforts
 from k3.rl.domains import DOMAIN_CLASSES, make_domain
 from k3.threads import ThreadsError, configure
 
-MAX_TOKENS = 160  # as `k3 rl` and `k3 distill` (RLSettings.max_tokens)
 
-
-def evaluate(model, xtml, tasks, effort: str, max_tokens: int = MAX_TOKENS) -> dict:
+def evaluate(model, xtml, tasks, effort: str, max_tokens: int) -> dict:
     """Greedy episodes of `tasks` at `effort`: accuracy, mean T(y), and [correct, count] per kind."""
     from k3.rl.episodes import run_episodes
 
@@ -73,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--domain", required=True, choices=sorted(DOMAIN_CLASSES))
     ap.add_argument("--efforts", default="max,high,low", help="effort levels to answer at (default %(default)s)")
     ap.add_argument("--heldout", type=int, default=512, help="held-out prompts (default %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="per assistant turn (default %(default)s)")
+    ap.add_argument("--max-tokens", type=int, help="per assistant turn (default: `k3 rl`'s)")
     ap.add_argument("--out", help="also write the results here as JSONL, a line per (run, effort)")
     ap.add_argument("--threads", metavar="N", help="CPU threads for torch (default: the CPUs available less one)")
     args = ap.parse_args(argv)
     try:
         efforts = parse_efforts(args.efforts)
-        if args.heldout < 1 or args.max_tokens < 1:
+        if args.heldout < 1 or (args.max_tokens is not None and args.max_tokens < 1):
             raise ValueError("--heldout and --max-tokens must be >= 1")
         missing = [r for r in args.runs if not (Path(r) / "checkpoints").is_dir()]
         if missing:
@@ -89,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ThreadsError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
+    from k3.rl.trainer import RLSettings  # after configure: it imports torch
+
+    max_tokens = RLSettings.max_tokens if args.max_tokens is None else args.max_tokens
     rows = []
     for run in args.runs:
         try:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"evaluate: error: {e}", file=sys.stderr)
             return 2
         for effort in efforts:
-            r = evaluate(model, xtml, tasks, effort, args.max_tokens)
+            r = evaluate(model, xtml, tasks, effort, max_tokens)
             print(line(run, r), flush=True)
             rows.append({"run": run, "domain": args.domain, **r})
     if args.out:
