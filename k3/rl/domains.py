@@ -101,7 +101,7 @@ class Task:
     # the high-effort think trace: the reference's steps cut to what a shorter think keeps (None:
     # the reference trace at every level); cold-start SFT shows each effort its own length (seeds §6.1.2)
     brief: str | None = field(default=None, repr=False)
-    kind: str = ""  # the sort of problem (strings: reverse / sort / count / nth), for per-kind accuracy
+    kind: str = ""  # the sort of problem (strings: reverse / sort / count / nth; tool: the tool), per-kind accuracy
 
     def verify(self, replies: Reply | Sequence[Reply]) -> Score:
         """Score an episode: its replies in turn order (or one reply for a one-turn episode)."""
@@ -262,7 +262,7 @@ class Domain:
         return Task(id=f"{self.name}/{split}/{index}/{self.fingerprint}", domain=self.name, split=split, index=index,
                     level=parts["level"], messages=messages, tools=tools, answer=parts["answer"],
                     reference=reference, max_turns=self.max_turns, expected_call=expected_call, item=parts["item"],
-                    brief=parts.get("brief"), kind=parts.get("kind", f"level {parts['level']}"))
+                    brief=parts.get("brief"), kind=parts["kind"])
 
     # ---- verification
 

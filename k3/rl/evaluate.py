@@ -19,6 +19,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.rl.cold_start import parse_efforts
 from k3.rl.domains import DOMAIN_CLASSES, make_domain
 from k3.threads import ThreadsError, configure
@@ -41,19 +42,15 @@ def evaluate(model, xtml, tasks, effort: str, max_tokens: int) -> dict:
 
 
 def load_run(run: str | Path):
-    """A run folder's latest checkpoint as a model, and its XTML renderer (ValueError if it has no
-    checkpoint, or is no chat model)."""
+    """A run folder's latest checkpoint (or a checkpoint folder) as a model, and its XTML renderer
+    (ValueError if there is no checkpoint, or it is no chat model)."""
     from k3.checkpoint.official import CheckpointError, load_pretrained
-    from k3.checkpoint.run_folder import latest_checkpoint
     from k3.text.tokenizer import load_tokenizer
     from k3.text.xtml import XTML
 
-    run = Path(run)
-    ckpt = latest_checkpoint(run / "checkpoints") if run.is_dir() else None
-    if ckpt is None:
-        raise ValueError(f"{run}: no run folder with a checkpoint")
     try:
-        model, tokenizer = load_pretrained(ckpt), load_tokenizer(run)
+        ckpt = resolve_checkpoint(run)
+        model, tokenizer = load_pretrained(ckpt), load_tokenizer(ckpt)
     except (FileNotFoundError, CheckpointError) as e:
         raise ValueError(f"{run}: {e}") from None
     return model, XTML(tokenizer)
@@ -79,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         efforts = parse_efforts(args.efforts)
         if args.heldout < 1 or (args.max_tokens is not None and args.max_tokens < 1):
             raise ValueError("--heldout and --max-tokens must be >= 1")
-        missing = [r for r in args.runs if not (Path(r) / "checkpoints").is_dir()]
+        checkpoints, missing = [], []
+        for r in args.runs:
+            try:
+                checkpoints.append(resolve_checkpoint(r))
+            except FileNotFoundError:
+                missing.append(r)
         if missing:
             raise ValueError(f"not a run folder with checkpoints: {', '.join(missing)}")
         configure(args.threads)
@@ -91,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 
     max_tokens = RLSettings.max_tokens if args.max_tokens is None else args.max_tokens
     rows = []
-    for run in args.runs:
+    for run, ckpt in zip(args.runs, checkpoints):
         try:
-            model, xtml = load_run(run)
+            model, xtml = load_run(ckpt)
         except ValueError as e:
             print(f"evaluate: error: {e}", file=sys.stderr)
             return 2
