@@ -156,3 +156,12 @@ def test_architecture_map_covers_every_module():
                if p.name not in ("__init__.py", "__main__.py")]
     missing = [m for m in modules if m not in named]
     assert not missing, f"docs/ARCHITECTURE.md's map does not name: {', '.join(missing)}"
+
+
+BENCHMARKS_MAX_LINES = 200
+
+
+def test_benchmarks_holds_current_figures_only():
+    """docs/BENCHMARKS.md is a table of current figures: findings go to docs/LOG.md, so it stays short."""
+    lines = (ROOT / "docs/BENCHMARKS.md").read_text().count("\n")
+    assert lines <= BENCHMARKS_MAX_LINES, f"docs/BENCHMARKS.md has {lines} lines (at most {BENCHMARKS_MAX_LINES})"
