@@ -59,7 +59,14 @@ from k3.rl.effort import (
     shaped_reward,
 )
 from k3.rl.episodes import next_turn, run_episodes, summarize, train_rows
-from k3.rl.objective import ObjectiveConfig, pack_trajectories, policy_loss, token_logprobs, trained_tokens
+from k3.rl.objective import (
+    ObjectiveConfig,
+    group_advantages,
+    pack_trajectories,
+    policy_loss,
+    token_logprobs,
+    trained_tokens,
+)
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
 from k3.serve.engine import EngineConfig
 from k3.sft.trainer import adopt_chat_model
@@ -450,17 +457,17 @@ class RLTrainer(Trainer):
             lengths.append(length)
             within.append(length <= tau * self.budgets[task.id].b0)
             self.group_rewards.setdefault(turns[0].group_id, []).append(r)
+        # each group's members so far (partial rollout: earlier iterations' too); one reward, one advantage
+        advantage = {}
+        for g in dict.fromkeys(turns[0].group_id for _, turns in completed):
+            group = self.group_rewards[g]
+            values = group_advantages(group, [g] * len(group), normalize_std=s.normalize_std).tolist()
+            advantage.update(((g, r), a) for r, a in zip(group, values))
         trained, advantages = [], []
         for (task, turns), r in zip(completed, rewards):
-            group = self.group_rewards[turns[0].group_id]
-            mean = sum(group) / len(group)
-            a = r - mean
-            if s.normalize_std and len(group) > 1:
-                std = (sum((x - mean) ** 2 for x in group) / len(group)) ** 0.5
-                a = a / (std + 1e-6)
             for row in train_rows(turns):  # a tool episode: one row, its replies trained
                 trained.append(row)
-                advantages.append(a if len(group) > 1 else 0.0)
+                advantages.append(advantage[turns[0].group_id, r])
         for g in [g for g, v in self.group_rewards.items() if len(v) >= s.samples]:
             del self.group_rewards[g]  # every episode of the group has trained
         n, before = max(len(completed), 1), len(trained)
