@@ -453,7 +453,7 @@ def random_cache(cfg: K3Config, batch: int, context: int, device, dtype, capacit
 def cache_bytes(cfg: K3Config, batch: int, context: int, elem: int) -> int:
     kda = cfg.num_kda_layers * batch * (cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4 +
                                         3 * cfg.kda_num_heads * cfg.kda_head_dim * (cfg.short_conv_kernel_size - 1) * elem)
-    mla = cfg.num_mla_layers * batch * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    mla = cfg.num_mla_layers * batch * context * cfg.mla_cache_width * elem
     return kda + mla
 
 
@@ -477,7 +477,7 @@ def decode_step_bytes(model: K3ForCausalLM, batch: int, context: int) -> dict:
     elem = next(model.parameters()).element_size()
     state = 2 * cfg.num_kda_layers * batch * (cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4 +
                                               3 * cfg.kda_num_heads * cfg.kda_head_dim * (cfg.short_conv_kernel_size - 1) * elem)
-    latents = cfg.num_mla_layers * batch * (context + 1) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    latents = cfg.num_mla_layers * batch * (context + 1) * cfg.mla_cache_width * elem
     return {"weights": weights, "kda_states": state, "mla_latents": latents, "total": weights + state + latents}
 
 

@@ -161,6 +161,11 @@ class K3Config:
         return self.num_experts > 0 and idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
 
     @property
+    def mla_cache_width(self) -> int:
+        """What an MLA layer caches per token: the compressed latent and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
     def num_kda_layers(self) -> int:
         return len(self.kda_layers)
 

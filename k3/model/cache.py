@@ -75,7 +75,7 @@ class MLAState:
     @classmethod
     def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32,
               capacity: int = 0) -> "MLAState":
-        width = config.kv_lora_rank + config.qk_rope_head_dim
+        width = config.mla_cache_width
         return cls(torch.zeros(num_seqs, capacity, width, device=device, dtype=dtype),
                    torch.zeros(num_seqs, dtype=torch.long, device=device))
 

@@ -285,7 +285,7 @@ def size_layout(config: K3Config, layout: Layout, gpu: GPU, work: Workload, para
     cp_bytes = 0.0
     if layout.cp > 1:  # forward and backward: the KCP state pairs, the MLA latents
         state = H * K * (K + K) * 4
-        latents = t * (config.kv_lora_rank + config.qk_rope_head_dim) * wbytes
+        latents = t * config.mla_cache_width * wbytes
         cp_bytes = micro * 2 * (kda_layers * state + mla_layers * latents) * (layout.cp - 1)
     pp_bytes = micro * 2 * t * config.hidden_size * wbytes if pp > 1 else 0.0
     comm = {"ep_a2a": a2a / 1e9, "fsdp": fsdp / 1e9, "cp": cp_bytes / 1e9, "pp": pp_bytes / 1e9}

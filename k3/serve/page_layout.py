@@ -25,7 +25,7 @@ from k3.config import K3Config
 class PageLayout:
     block_size: int  # tokens per MLA page
     num_mla_layers: int
-    latent_dim: int  # kv_lora_rank + qk_rope_head_dim
+    cache_width: int  # K3Config.mla_cache_width: latent + rope key per token
     num_kda_layers: int
     kda_heads: int
     kda_head_dim: int
@@ -40,7 +40,7 @@ class PageLayout:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"pages hold fp32/bf16/fp16 model state, got {dtype}")
         return cls(block_size=block_size, num_mla_layers=config.num_mla_layers,
-                   latent_dim=config.kv_lora_rank + config.qk_rope_head_dim,
+                   cache_width=config.mla_cache_width,
                    num_kda_layers=config.num_kda_layers, kda_heads=config.kda_num_heads,
                    kda_head_dim=config.kda_head_dim,
                    conv_channels=3 * config.kda_num_heads * config.kda_head_dim,
@@ -63,7 +63,7 @@ class PageLayout:
     def page_bytes(self) -> int:
         if self.num_mla_layers == 0:  # a pure-KDA model: a page is one snapshot
             return self.snapshot_bytes
-        return self.block_size * self.num_mla_layers * self.latent_dim * self.itemsize
+        return self.block_size * self.num_mla_layers * self.cache_width * self.itemsize
 
     @property
     def pages_per_snapshot(self) -> int:

@@ -83,7 +83,9 @@ class _RequestMedia:
 
 class ModelRunner:
     def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
-                 cuda_graphs: bool = True, speculator: Speculator | None = None, vision=None):
+                 cuda_graphs: bool = True, speculator: Speculator | None = None, vision=None,
+                 sampler: Sampler | None = None):
+        """`sampler`: the Sampler to pick tokens with (default: a `Sampler(seed)`)."""
         self.model = model
         # a K3ForConditionalGeneration around `model`: it encodes the images of requests that have
         # some (add_media), each once, and their rows replace the placeholders' embeddings
@@ -101,7 +103,7 @@ class ModelRunner:
         if layout.dtype != next(model.parameters()).dtype:
             raise ValueError(f"page layout dtype {layout.dtype} != model dtype {next(model.parameters()).dtype}")
         self.pool = torch.empty(num_pages, layout.page_bytes, dtype=torch.uint8, device=self.device)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed) if sampler is None else sampler
         L = layout
         self._state_shape = (L.kda_heads, L.kda_head_dim, L.kda_head_dim)
         self._conv_shape = (L.conv_channels, L.conv_tail)
@@ -160,7 +162,7 @@ class ModelRunner:
     def latent_pages(self) -> torch.Tensor:
         """The pool as MLA pages: [num_pages, P, M, W] in the model dtype."""
         L = self.layout
-        return self.pool.view(L.dtype).view(-1, L.block_size, L.num_mla_layers, L.latent_dim)
+        return self.pool.view(L.dtype).view(-1, L.block_size, L.num_mla_layers, L.cache_width)
 
     def read_snapshots(self, pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One KDA layer's state for N requests from their pages -> (conv [N,3C,W-1], recurrent [N,H,K,V])."""
@@ -479,7 +481,8 @@ class ModelRunner:
         try:
             tokens = verify(logits, proposal.tokens, proposal.probs, p,
                             None if p.greedy else self.sampler.generator(rid, p))
-            out = with_logprobs(tokens, logits, p)
+            scale = p.logprob_temperature  # "processed" logprobs: of softmax(z / T)
+            out = with_logprobs(tokens, logits if scale == 1.0 else logits.float() / scale, p)
         except Exception as e:  # as in Sampler.sample: this request fails alone
             return [SampledToken(-1, error=f"sampling failed: {e}")]
         if proposal.tokens:

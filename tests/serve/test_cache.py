@@ -18,7 +18,7 @@ from k3.serve.scheduler import QueueFullError, Scheduler
 
 def layout(num_kda_layers: int = 1, block_size: int = 4) -> PageLayout:
     # page = 4 tokens x 1 MLA layer x 8 x 4 B = 128 B; snapshot = 2*2*4 + 6*1*4 = 40 B -> 1 page
-    return PageLayout(block_size=block_size, num_mla_layers=1, latent_dim=8, num_kda_layers=num_kda_layers,
+    return PageLayout(block_size=block_size, num_mla_layers=1, cache_width=8, num_kda_layers=num_kda_layers,
                       kda_heads=1, kda_head_dim=2, conv_channels=6, conv_tail=1, dtype=torch.float32)
 
 
