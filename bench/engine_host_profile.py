@@ -22,7 +22,7 @@ import torch
 
 from bench.serve import SIZES, bench_k3, kimi_linear, mixed_workload
 from bench.serve_modes import steps_line
-from k3.checkpoint.official import load_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import transformers
 
 from bench.common import rel_err
 from bench.serve_modes import K3_MODES, agreement_summary, mixed_line, steps_line
-from k3.checkpoint.official import load_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from k3.checkpoint.draft_folder import load_draft
-from k3.checkpoint.official import load_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.data.corpus import load_documents, split_documents
 from k3.serve.engine import EngineConfig, LLMEngine

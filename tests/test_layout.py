@@ -40,13 +40,25 @@ def part_of(module: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 1 else parts[0]
 
 
+def runtime_nodes(tree: ast.AST):
+    """ast.walk, less the bodies of `if TYPE_CHECKING:` (imports for annotations never run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
 def imported_modules(path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
-    """Every k3 module `path` imports, with the line; `from k3.x import y` names k3.x.y when that is
-    a module (a submodule import), else k3.x."""
+    """Every k3 module `path` imports at run time, with the line; `from k3.x import y` names k3.x.y
+    when that is a module (a submodule import), else k3.x."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "k3"]
         elif isinstance(node, ast.ImportFrom):
@@ -134,6 +146,22 @@ def test_walker_resolves_relative_and_function_level_imports(tmp_path, monkeypat
     monkeypatch.setattr(this, "ROOT", tmp_path)
     monkeypatch.setattr(this, "K3", pkg)
     assert ("k3.serve", "k3.train") in import_graph()
+
+
+def test_no_import_cycle_inside_a_part():
+    """Inside a package, modules import one way too (k3/checkpoint: files <- official <- packed <-
+    pretrained), so no module needs a function-level import to dodge a circle."""
+    modules = all_modules()
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for name, path in modules.items():
+        for target, line in imported_modules(path, modules):
+            if part_of(target) == part_of(name) != "k3" and target != name:
+                edges[(name, target)].append(f"{path.relative_to(ROOT)}:{line}")
+    assert edges, "the walker found no import inside any package"
+    cycle = find_cycle(edges)
+    if cycle:
+        where = "; ".join(f"{a} -> {b} at {', '.join(edges[(a, b)][:3])}" for a, b in zip(cycle, cycle[1:]))
+        pytest.fail(f"import cycle {' -> '.join(cycle)}: {where}")
 
 
 def test_find_cycle_names_it():

@@ -17,17 +17,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from k3.checkpoint.official import (
-    DEFAULT_SHARD_BYTES,
-    INDEX_NAME,
-    CheckpointMismatchError,
-    assign_checkpoint,
-    official_to_state_dict,
-    read_checkpoint,
-    save_pretrained,
-    state_dict_to_official,
-)
+from k3.checkpoint.files import DEFAULT_SHARD_BYTES, INDEX_NAME, CheckpointMismatchError
+from k3.checkpoint.official import official_to_state_dict, save_pretrained, state_dict_to_official
+from k3.checkpoint.packed import pack_tensors, with_quantization_config
+from k3.checkpoint.pretrained import assign_checkpoint, read_checkpoint
 from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
+from k3.model.precision import fp32_tensor_names
 from k3.model.vision.patch_embed import DividedFixedPosEmb, sincos_table
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -58,8 +53,6 @@ def save_packed_multimodal(model: K3ForConditionalGeneration, directory: str | P
     and everything else, the vision tower and projector included, in `dtype` (bf16 as published;
     the published quantization_config ignores `vision_tower` and `mm_projector`). The readers
     dequantize the experts at load (k3/checkpoint/packed.py)."""
-    from k3.checkpoint.packed import pack_tensors, with_quantization_config
-    from k3.model.precision import fp32_tensor_names
 
     text = model.language_model
     keep_fp32 = {text.config.checkpoint_prefix + name for name in fp32_tensor_names(text)}

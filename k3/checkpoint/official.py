@@ -12,29 +12,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3.atomic import write_atomic, write_text_atomic
-from k3.config import ConfigError, K3Config
-from k3.model.precision import fp32_tensor_names
-
-INDEX_NAME = "model.safetensors.index.json"
-DEFAULT_SHARD_BYTES = 4 * 1024**3
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be read (truncated, corrupted, not safetensors/JSON); the
-    message names the file."""
-
-
-class CheckpointMismatchError(CheckpointError, KeyError):
-    """Tensors missing, unexpected or misnamed for the config. A KeyError (a name lookup failed) and a
-    CheckpointError, so verbs report it like any bad checkpoint, without KeyError's quotes."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
+from k3.checkpoint.files import DEFAULT_SHARD_BYTES, INDEX_NAME, CheckpointMismatchError
+from k3.config import K3Config
 
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
 _EXPERT_FILE_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
@@ -129,110 +111,3 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_text_atomic(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     return directory
-
-
-def read_json(path: Path) -> dict:
-    """A checkpoint's JSON file (config.json, the index) as a dict, or CheckpointError naming it."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return data
-
-
-def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF-layout directory (indexed shards or a single model.safetensors).
-    A truncated or corrupted file is a CheckpointError naming it, never a parser traceback."""
-    directory = Path(directory)
-    index = directory / INDEX_NAME
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{index} has no weight_map of tensor name -> file name")
-        files = sorted(set(weight_map.values()))
-    elif (directory / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no {INDEX_NAME} or model.safetensors in {directory}")
-    tensors = {}
-    for fname in files:
-        path = directory / fname
-        if not path.is_file():
-            raise CheckpointError(f"{path} is listed in {INDEX_NAME} but missing")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-        except Exception as e:  # safetensors' SafetensorError derives from Exception only
-            raise CheckpointError(f"{path} is not a readable safetensors file "
-                                  f"(truncated or corrupted?): {e}") from None
-    return tensors
-
-
-def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | None = None,
-                    config: K3Config | None = None, model_class=None):
-    """Build a K3ForCausalLM from an HF-layout directory: ours, the official layout (incl. the
-    MXFP4 `mxfp4-pack-quantized` routed experts, dequantized at load by k3/quant), or one written by
-    transformers' KimiLinearForCausalLM. Every parameter must be present: missing or unexpected
-    tensors are an error naming them. fp32-by-SPEC tensors stay fp32 whatever `dtype` asks.
-    `model_class` (default `k3.K3ForCausalLM`, k3/checkpoint/pretrained.py) is the class built;
-    `K3ForCausalLM.from_pretrained` is this function."""
-    from k3.checkpoint.pretrained import K3ForCausalLM
-
-    model_class = model_class or K3ForCausalLM
-    config, tensors = read_checkpoint(directory, dtype=dtype, config=config)
-    tensors = official_to_state_dict(config, tensors)
-    with torch.device("meta"):
-        model = model_class(config)
-    assign_checkpoint(model, tensors, directory, device=device, dtype=dtype)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
-
-
-def read_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
-                    config: K3Config | None = None) -> tuple[K3Config, dict[str, torch.Tensor]]:
-    """The text config (`config` if given, else config.json's) and every tensor of an HF-layout
-    directory under its file name, MXFP4-packed experts dequantized (to `dtype` if given)."""
-    from k3.checkpoint.packed import is_packed_checkpoint, read_packed
-
-    directory = Path(directory)
-    try:
-        if is_packed_checkpoint(directory):
-            packed_config, tensors = read_packed(directory, dtype=dtype)
-            return config or packed_config, tensors
-        if config is None:
-            if not (directory / "config.json").is_file():
-                raise FileNotFoundError(f"no config.json in {directory}")
-            try:
-                config = K3Config.from_dict(read_json(directory / "config.json"))
-            except (KeyError, TypeError) as e:
-                raise CheckpointError(f"{directory / 'config.json'} is not a model config ({e})") from None
-        return config, read_safetensors(directory)
-    except ConfigError as e:  # malformed or self-contradicting fields: the message names them
-        raise ConfigError(f"{directory / 'config.json'}: {e}") from None
-
-
-def assign_checkpoint(model, tensors: dict[str, torch.Tensor], directory: str | Path, *, device=None,
-                      dtype: torch.dtype | None = None) -> None:
-    """Fill a meta-built `model` with `tensors` (its own state-dict names): every name present and
-    no other, shapes equal; fp32-by-SPEC tensors stay fp32 whatever `dtype` asks."""
-    expected = set(model.state_dict().keys())
-    fp32 = fp32_tensor_names(model)
-    missing, unexpected = expected - set(tensors), set(tensors) - expected
-    if missing or unexpected:
-        raise CheckpointMismatchError(f"checkpoint {directory} does not match the config: missing {sorted(missing)[:8]}"
-                       f"{' ...' if len(missing) > 8 else ''}, unexpected {sorted(unexpected)[:8]}"
-                       f"{' ...' if len(unexpected) > 8 else ''}")
-    state = {}
-    for name, ref in model.state_dict().items():
-        t = tensors[name]
-        if tuple(t.shape) != tuple(ref.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(ref.shape)}")
-        target = torch.float32 if name in fp32 else (t.dtype if dtype is None else dtype)
-        state[name] = t.to(device=device, dtype=target)
-    model.load_state_dict(state, assign=True, strict=True)

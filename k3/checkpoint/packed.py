@@ -22,14 +22,8 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint.official import (
-    DEFAULT_SHARD_BYTES,
-    CheckpointError,
-    read_json,
-    read_safetensors,
-    save_pretrained,
-    state_dict_to_official,
-)
+from k3.checkpoint.files import DEFAULT_SHARD_BYTES, CheckpointError, read_json, read_safetensors
+from k3.checkpoint.official import save_pretrained, state_dict_to_official
 from k3.config import K3Config
 from k3.model.precision import fp32_tensor_names
 from k3.quant.mx import BLOCK, dequantize, quantize

@@ -3,8 +3,9 @@
 
 The class is the model of k3/model/transformer.py plus these two methods. They live here, not on
 the model, because model code does no file I/O and never imports checkpoint formats
-(tests/test_layout.py); both methods are the functions of k3/checkpoint/official.py, so there is
-one loader and one writer whichever way they are called.
+(tests/test_layout.py). This module is also the loader every verb uses (`load_pretrained`: which
+layout a folder holds, and the model filled from it), and `save_pretrained` is official.py's
+writer, so there is one loader and one writer whichever way they are called.
 """
 from __future__ import annotations
 
@@ -12,9 +13,19 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint.official import DEFAULT_SHARD_BYTES, load_pretrained, save_pretrained
+from k3.checkpoint.files import (
+    DEFAULT_SHARD_BYTES,
+    CheckpointError,
+    CheckpointMismatchError,
+    read_json,
+    read_safetensors,
+)
+from k3.checkpoint.official import official_to_state_dict, save_pretrained
+from k3.checkpoint.packed import is_packed_checkpoint, read_packed
 from k3.checkpoint.run_folder import resolve_checkpoint
+from k3.config import ConfigError, K3Config
 from k3.model import transformer
+from k3.model.precision import fp32_tensor_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,3 +58,65 @@ class K3ForCausalLM(transformer.K3ForCausalLM):
     def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
         """config.json, safetensors shards and their index, in the official layout and names."""
         return save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+
+
+def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | None = None,
+                    config: K3Config | None = None, model_class=None):
+    """Build a K3ForCausalLM from an HF-layout directory: ours, the official layout (incl. the
+    MXFP4 `mxfp4-pack-quantized` routed experts, dequantized at load by k3/quant), or one written by
+    transformers' KimiLinearForCausalLM. Every parameter must be present: missing or unexpected
+    tensors are an error naming them. fp32-by-SPEC tensors stay fp32 whatever `dtype` asks.
+    `model_class` (default `k3.K3ForCausalLM`, below) is the class built;
+    `K3ForCausalLM.from_pretrained` is this function."""
+    model_class = model_class or K3ForCausalLM
+    config, tensors = read_checkpoint(directory, dtype=dtype, config=config)
+    tensors = official_to_state_dict(config, tensors)
+    with torch.device("meta"):
+        model = model_class(config)
+    assign_checkpoint(model, tensors, directory, device=device, dtype=dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def read_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
+                    config: K3Config | None = None) -> tuple[K3Config, dict[str, torch.Tensor]]:
+    """The text config (`config` if given, else config.json's) and every tensor of an HF-layout
+    directory under its file name, MXFP4-packed experts dequantized (to `dtype` if given)."""
+
+    directory = Path(directory)
+    try:
+        if is_packed_checkpoint(directory):
+            packed_config, tensors = read_packed(directory, dtype=dtype)
+            return config or packed_config, tensors
+        if config is None:
+            if not (directory / "config.json").is_file():
+                raise FileNotFoundError(f"no config.json in {directory}")
+            try:
+                config = K3Config.from_dict(read_json(directory / "config.json"))
+            except (KeyError, TypeError) as e:
+                raise CheckpointError(f"{directory / 'config.json'} is not a model config ({e})") from None
+        return config, read_safetensors(directory)
+    except ConfigError as e:  # malformed or self-contradicting fields: the message names them
+        raise ConfigError(f"{directory / 'config.json'}: {e}") from None
+
+
+def assign_checkpoint(model, tensors: dict[str, torch.Tensor], directory: str | Path, *, device=None,
+                      dtype: torch.dtype | None = None) -> None:
+    """Fill a meta-built `model` with `tensors` (its own state-dict names): every name present and
+    no other, shapes equal; fp32-by-SPEC tensors stay fp32 whatever `dtype` asks."""
+    expected = set(model.state_dict().keys())
+    fp32 = fp32_tensor_names(model)
+    missing, unexpected = expected - set(tensors), set(tensors) - expected
+    if missing or unexpected:
+        raise CheckpointMismatchError(f"checkpoint {directory} does not match the config: missing {sorted(missing)[:8]}"
+                       f"{' ...' if len(missing) > 8 else ''}, unexpected {sorted(unexpected)[:8]}"
+                       f"{' ...' if len(unexpected) > 8 else ''}")
+    state = {}
+    for name, ref in model.state_dict().items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(ref.shape)}")
+        target = torch.float32 if name in fp32 else (t.dtype if dtype is None else dtype)
+        state[name] = t.to(device=device, dtype=target)
+    model.load_state_dict(state, assign=True, strict=True)

@@ -16,9 +16,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from k3.checkpoint.files import DEFAULT_SHARD_BYTES
 from k3.checkpoint.multimodal import is_multimodal_checkpoint, load_pretrained_multimodal, save_packed_multimodal
-from k3.checkpoint.official import DEFAULT_SHARD_BYTES, load_pretrained, state_dict_to_official
+from k3.checkpoint.official import state_dict_to_official
 from k3.checkpoint.packed import check_packable, is_packed_checkpoint, save_packed
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.quantize_report import KINDS, quantization_report
 from k3.checkpoint.run_folder import resolve_checkpoint
 

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from k3.checkpoint.official import official_to_state_dict, read_safetensors, save_pretrained, state_dict_to_official
+from k3.checkpoint.files import read_safetensors
+from k3.checkpoint.official import official_to_state_dict, save_pretrained, state_dict_to_official
 from k3.checkpoint.run_folder import list_checkpoints
 
 TRAINER_STATE = "trainer_state.json"

@@ -48,7 +48,7 @@ def run(args) -> int:
 
     from k3.atomic import write_text_atomic
     from k3.checkpoint.draft_folder import save_draft
-    from k3.checkpoint.official import load_pretrained
+    from k3.checkpoint.pretrained import load_pretrained
     from k3.checkpoint.run_folder import resolve_checkpoint
     from k3.draft.data import corpus_prompts, target_outputs
     from k3.draft.trainer import DraftTrainer

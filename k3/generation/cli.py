@@ -10,7 +10,7 @@ import sys
 
 from tokenizers.decoders import DecodeStream
 
-from k3.checkpoint.official import load_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.device import parse_device
 from k3.generation.generate import MAX_TEMPERATURE, generate

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint.official import CheckpointError, load_pretrained
+from k3.checkpoint.files import CheckpointError
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import pin
 from k3.rl.domains import Task, make_domain
 from k3.rl.effort import EFFORTS, Budget, load_budgets

@@ -44,7 +44,8 @@ def evaluate(model, xtml, tasks, effort: str, max_tokens: int) -> dict:
 def load_run(run: str | Path):
     """A run folder's latest checkpoint (or a checkpoint folder) as a model, and its XTML renderer
     (ValueError if there is no checkpoint, or it is no chat model)."""
-    from k3.checkpoint.official import CheckpointError, load_pretrained
+    from k3.checkpoint.files import CheckpointError
+    from k3.checkpoint.pretrained import load_pretrained
     from k3.text.tokenizer import load_tokenizer
     from k3.text.xtml import XTML
 

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
+from k3.checkpoint.files import CheckpointError, read_json
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import latest_checkpoint, pin, read_pins, write_pins
 from k3.config import K3Config
 from k3.generation.generate import MAX_TEMPERATURE

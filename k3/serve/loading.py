@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from k3.checkpoint.multimodal import is_multimodal_checkpoint, load_pretrained_multimodal
-from k3.checkpoint.official import load_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.model.multimodal import MEDIA_PLACEHOLDER_TOKEN_ID
 from k3.text.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILE, load_tokenizer

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k3.checkpoint.official import CheckpointError, load_pretrained, read_json
+from k3.checkpoint.files import CheckpointError, read_json
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
 from k3.config import K3Config
 from k3.model.multimodal import vision_config_of

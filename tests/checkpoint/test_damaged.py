@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from k3.checkpoint.official import INDEX_NAME, CheckpointError, load_pretrained, save_pretrained
+from k3.checkpoint.files import INDEX_NAME, CheckpointError
+from k3.checkpoint.official import save_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.cli import main
 from k3.model.transformer import K3ForCausalLM
 from k3.text.tokenizer import save_tokenizer, train_tokenizer

@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
+from k3.checkpoint.files import INDEX_NAME, CheckpointError
 from k3.checkpoint.multimodal import load_pretrained_multimodal, multimodal_to_official, save_pretrained_multimodal
-from k3.checkpoint.official import INDEX_NAME, CheckpointError, load_pretrained, save_pretrained
+from k3.checkpoint.official import save_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.config import load_config
 from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
 from k3.model.transformer import K3ForCausalLM

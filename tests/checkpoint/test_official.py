@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-from k3.checkpoint.official import INDEX_NAME, load_pretrained, save_pretrained
+from k3.checkpoint.files import INDEX_NAME
+from k3.checkpoint.official import save_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.model.transformer import K3ForCausalLM
 from tests.helpers import assert_rel_close
 from tests.helpers.models import official_names, randomized, small_config

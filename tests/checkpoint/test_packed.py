@@ -7,8 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from k3.checkpoint.official import INDEX_NAME, load_pretrained, state_dict_to_official
+from k3.checkpoint.files import INDEX_NAME
+from k3.checkpoint.official import state_dict_to_official
 from k3.checkpoint.packed import QUANTIZATION_CONFIG, PackedCheckpointError, save_packed, unpack_tensors
+from k3.checkpoint.pretrained import load_pretrained
 from k3.config import K3Config
 from k3.model.experts import RoutedExperts
 from k3.model.transformer import K3ForCausalLM

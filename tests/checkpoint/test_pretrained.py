@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 import k3
 from k3 import K3Cache, K3Config, K3ForCausalLM, generate
-from k3.checkpoint.official import INDEX_NAME, state_dict_to_official
+from k3.checkpoint.files import INDEX_NAME
+from k3.checkpoint.official import state_dict_to_official
 from k3.checkpoint.packed import save_packed
 from tests.helpers import assert_rel_close
 from tests.helpers.models import official_names, randomized, small_config

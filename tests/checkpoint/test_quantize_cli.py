@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from k3.checkpoint.official import load_pretrained, save_pretrained
+from k3.checkpoint.official import save_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.quantize_cli import REPORT_FILE
 from k3.cli import main
 from k3.model.transformer import K3ForCausalLM
@@ -65,8 +66,8 @@ def test_quantize_keeps_a_multimodal_checkpoints_vision_tower(tmp_path, capsys):
     """The published K3 checkpoint is multimodal and packed: `k3 quantize` of a multimodal folder
     packs the text model's routed experts and keeps the tower and projector (bf16, as the published
     quantization_config ignores them) instead of dropping them with the text loader."""
+    from k3.checkpoint.files import INDEX_NAME
     from k3.checkpoint.multimodal import load_pretrained_multimodal, save_pretrained_multimodal
-    from k3.checkpoint.official import INDEX_NAME
     from tests.checkpoint.test_multimodal_checkpoint import inputs, tiny_multimodal, vision_names
 
     model = tiny_multimodal()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3.checkpoint.draft_folder import DraftError, load_draft, save_draft
-from k3.checkpoint.official import load_pretrained
+from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.draft import cli as draft_cli
 from k3.draft.trainer import DraftSettings, DraftTrainer

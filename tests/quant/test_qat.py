@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from k3.checkpoint.official import load_pretrained
 from k3.checkpoint.packed import save_packed
+from k3.checkpoint.pretrained import load_pretrained
 from k3.model.experts import RoutedExperts
 from k3.model.transformer import K3ForCausalLM
 from k3.quant.mx import E2M1, E4M3, fake_quantize
