@@ -16,14 +16,19 @@ Behaviour log-probs. The policy is pi_T = softmax(z / T): the model's logits z a
 temperature T, before any top-k / top-p truncation. Each recorded log-prob is log pi_T(token) from
 the very fp32 logits the engine sampled from, and `k3.rl.objective.token_logprobs(model, batch,
 temperature=T)` recomputes the same quantity in the trainer, so the importance ratio compares like
-with like (the engine's own `logprobs` are of the raw T = 1 distribution, as in the OpenAI API;
-here the sampler is swapped for one that records pi_T). With top_p < 1 or top_k > 0 the tokens are
-drawn from a truncated pi_T that the ratio does not see: RL normally keeps top_p = 1, top_k = 0.
+with like (the engine's default `logprobs` are of the raw T = 1 distribution, as in the OpenAI API;
+rollout requests ask for `SamplingParams(logprobs=0, logprobs_mode="processed")`, the engine's
+log-prob of the distribution it samples from). With top_p < 1 or top_k > 0 the tokens are drawn
+from a truncated pi_T that the ratio does not see: RL normally keeps top_p = 1, top_k = 0.
 
 Seeding. A trajectory owns one random stream: a torch.Generator seeded from (run seed, group,
-sample) (`trajectory_seed`) that draws its tokens one after another. When partial rollout pauses
-a trajectory, the generator's state after its last token travels with it (`Trajectory.rng_state`)
-and the resumed request continues from that state, not from the seed again. So "the same seed"
+sample) (`trajectory_seed`) that draws its tokens one after another. Each engine request starts
+its generator from a state (`SamplingParams.generator_state`: the seeded one, or the saved one),
+and the engine returns the state after its last sampled token on the finished output
+(`RequestOutput.generator_state`). When partial rollout pauses (aborts) a trajectory, that state
+travels with it (`Trajectory.rng_state`) and the resumed request continues from it, not from the
+seed again. The rollout uses the engine's public API only (tests/rl/test_rollout_api.py checks
+that it reaches into no private engine attribute). So "the same seed"
 means the same token stream whatever the pauses: at fixed weights, with batch-invariant arithmetic
 (`EngineConfig.batch_invariant`), a trajectory split over any number of iterations is bit for bit
 the one sampled without a pause; and with stop_fraction 1 nothing is ever paused, so the result is
@@ -62,7 +67,7 @@ import torch
 from k3.generation.generate import GREEDY_BELOW
 from k3.quant.qat import reused_weight_quantization
 from k3.serve.engine import EngineConfig, LLMEngine
-from k3.serve.sampling import SampledToken, Sampler, SamplingParams
+from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
 
 
@@ -144,43 +149,9 @@ def trajectory_seed(seed: int, group: int, sample: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-class _RolloutSampler(Sampler):
-    """The engine's sampler, recording log pi_T (not the raw T = 1 log-prob) and letting a
-    request start from a saved generator state; a finished request's final state is kept."""
-
-    def __init__(self, seed: int | None):
-        super().__init__(seed)
-        self._generators: dict[str, torch.Generator] = {}
-        self.start_states: dict[str, torch.Tensor] = {}  # request id -> state to resume from
-        self.end_states: dict[str, torch.Tensor] = {}  # request id -> state after its last token
-
-    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            raise RolloutError(f"rollout request {request_id} has no seed")
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = self._generators[request_id] = torch.Generator()
-            state = self.start_states.pop(request_id, None)
-            if state is None:
-                gen.manual_seed(params.seed)
-            else:
-                gen.set_state(state)
-        return gen
-
-    def forget(self, request_id: str) -> None:
-        gen = self._generators.pop(request_id, None)
-        if gen is not None:
-            self.end_states[request_id] = gen.get_state()
-        self.start_states.pop(request_id, None)
-        super().forget(request_id)
-
-    def _sample_row(self, logits: torch.Tensor, logprobs: torch.Tensor | None, rid: str,
-                    p: SamplingParams) -> SampledToken:
-        """Rollout requests ask for no engine logprobs (those are raw, T = 1): every sampled token
-        gets log pi_T here, by the same fp32 formula as k3.rl.objective.token_logprobs."""
-        sampled = super()._sample_row(logits, logprobs, rid, p)
-        sampled.logprob = float(torch.log_softmax(logits[0].float() / p.temperature, dim=-1)[sampled.token_id])
-        return sampled
+def initial_rng_state(seed: int) -> torch.Tensor:
+    """The state a trajectory's generator starts from: a torch.Generator seeded with `seed`."""
+    return torch.Generator().manual_seed(seed).get_state()
 
 
 class Rollouts:
@@ -195,7 +166,8 @@ class Rollouts:
             raise ValueError(f"rollouts sample: temperature must be > 0, got {temperature}")
         self.engine_config = engine_config or EngineConfig()
         if self.engine_config.num_speculative_tokens:
-            raise ValueError("rollouts record log pi_T through the sampler; speculative decoding is not supported")
+            raise ValueError("rollouts draw each trajectory's tokens from one generator stream; speculative decoding "
+                             "is not supported")
         self.model = model
         self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         if stop_token_ids is None:
@@ -208,12 +180,7 @@ class Rollouts:
         training = self.model.training
         engine = LLMEngine(self.model, self.engine_config)  # sets eval mode; the trainer's mode is restored
         self.model.train(training)
-        engine.runner.sampler = _RolloutSampler(self.engine_config.seed)
         return engine
-
-    @property
-    def sampler(self) -> _RolloutSampler:
-        return self.engine.runner.sampler
 
     def reset_cache(self) -> None:
         """Drop the prefix cache (a fresh engine over the same model): later prefixes are computed
@@ -264,7 +231,7 @@ class Rollouts:
             self.model.train(training)
 
     def _run(self, resume: list[Trajectory], new: list[Trajectory], K: int, target: int) -> RolloutBatch:
-        engine, sampler = self.engine, self.sampler
+        engine = self.engine
         stats = engine.cache.stats
         queries, hits, hit_tokens = stats.queries, stats.hits, stats.hit_tokens
         start = time.perf_counter()
@@ -280,16 +247,16 @@ class Rollouts:
             while backlog and not stopping:
                 t = backlog[0]
                 rid = f"{t.uid}#{len(t.segments)}"
+                # log pi_T of each sampled token; the stream continues from the saved state, else the seed's
+                state = t.rng_state if t.rng_state is not None else initial_rng_state(t.seed)
                 params = SamplingParams(max_tokens=t.remaining, temperature=self.params.temperature,
                                         top_p=self.params.top_p, top_k=self.params.top_k, seed=t.seed,
-                                        stop_token_ids=self.stop_token_ids)
-                if t.rng_state is not None:
-                    sampler.start_states[rid] = t.rng_state
+                                        stop_token_ids=self.stop_token_ids, logprobs=0, logprobs_mode="processed",
+                                        generator_state=state)
                 try:
                     engine.add_request(t.prompt_ids + t.completion_ids, params, request_id=rid,
                                        boundaries=t.boundaries, eos_token_id=-1)
                 except QueueFullError:
-                    sampler.start_states.pop(rid, None)
                     return  # the rest wait for room
                 backlog.popleft()
                 active[rid] = t
@@ -317,10 +284,8 @@ class Rollouts:
                     if not o.finished:
                         continue
                     del active[o.request_id]
-                    state = sampler.end_states.pop(o.request_id, None)
                     if o.finish_reason == "abort":  # paused: keep where its stream stands
-                        if state is not None:
-                            t.rng_state = state
+                        t.rng_state = o.generator_state
                     else:
                         t.finish_reason, t.rng_state = o.finish_reason, None
                         finished.append(t)

@@ -3,7 +3,15 @@
 `LLMEngine` is synchronous and thread-safe: `add_request` / `abort` may come from any thread;
 `step` runs the scheduler under a lock, the forward without it, then the bookkeeping under it
 again, so a request can be added while the model computes. Aborts are queued and applied at the
-start of the next step (never while the runner is using the request's pages).
+start of the next step (never while the runner is using the request's pages); called between
+steps, `abort` also returns the request's state as it ends (`AbortedRequest`: its tokens and
+generator state).
+
+Extension points for in-process users (RL rollouts, k3/rl/rollout.py): per request, the log-prob
+mode (`SamplingParams.logprobs_mode`) and a generator state to start from
+(`SamplingParams.generator_state`), whose state after the last sampled token comes back on the
+finished output (`RequestOutput.generator_state`) and from `abort`; per engine, the sampler
+(`LLMEngine(..., sampler=...)`).
 
 A request with `prompt_logprobs` runs the same steps: the runner scores its prompt positions
 chunk by chunk, the scheduler collects the scores on the request, and they leave with its first
@@ -28,8 +36,8 @@ import logging
 import threading
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import torch
 from tokenizers import Tokenizer
@@ -42,7 +50,7 @@ from k3.serve.detokenizer import IncrementalDetokenizer, TextView
 from k3.serve.page_layout import PageLayout
 from k3.serve.request import MediaSpan, Request, RequestStatus
 from k3.serve.runner import ModelRunner
-from k3.serve.sampling import SampledToken, SamplingParams
+from k3.serve.sampling import SampledToken, Sampler, SamplingParams
 from k3.serve.scheduler import Scheduler
 from k3.serve.speculator import Speculator
 
@@ -57,7 +65,7 @@ class StepError(RuntimeError):
     """A step's forward raised: its requests (`request_ids`) are finished and their pages freed;
     `outputs` are the step's other outputs (aborts applied before the forward)."""
 
-    def __init__(self, request_ids: list[str], outputs: list["RequestOutput"]):
+    def __init__(self, request_ids: list[str], outputs: list[RequestOutput]):
         super().__init__(f"engine step failed for {len(request_ids)} request(s)")
         self.request_ids, self.outputs = request_ids, outputs
 
@@ -111,16 +119,41 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason is "error"
     # with the request's first output, when it asked for prompt logprobs: entry k scores prompt token k + 1
     prompt_logprobs: list[SampledToken] | None = None
+    # on the finished output of a request with its own generator (a seed or a generator_state): its
+    # state after the last sampled token (Sampler.generator_state); pass it back to continue the stream
+    generator_state: torch.Tensor | None = None
+
+
+@dataclass
+class AbortedRequest:
+    """A request as `LLMEngine.abort` leaves it (no token is sampled between the call and the abort)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the tokens sampled so far, each already returned by a step
+    # its generator after the last of them (Sampler.generator_state); None without a seed or a state
+    generator_state: torch.Tensor | None
+
+
+SamplerFactory = Callable[[int | None], Sampler]  # called with EngineConfig.seed
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig | None = None, draft=None):
+    def __init__(self, model, config: EngineConfig | None = None, draft=None, *,
+                 sampler: Sampler | SamplerFactory | None = None):
         """`model`: a K3ForCausalLM, or a K3ForConditionalGeneration whose prompts may hold images
         (`add_request(images=...)`; the engine runs its language model and the runner its vision
         encoder). `draft`: an `EagleDraft` for the model (k3.checkpoint.draft_folder.load_draft
         checks that it is): with config.num_speculative_tokens >= 1 every decoding sequence drafts
-        that many tokens per step and the model verifies them (k3.serve.speculator)."""
+        that many tokens per step and the model verifies them (k3.serve.speculator). `sampler`: the
+        token sampler, a `Sampler` (or subclass) instance or a factory called with config.seed;
+        default `Sampler(config.seed)`."""
         self.config = config = config or EngineConfig()
+        if sampler is not None and not isinstance(sampler, Sampler):
+            if not callable(sampler):
+                raise TypeError(f"sampler must be a Sampler or a factory of one, got {type(sampler).__name__}")
+            sampler = sampler(config.seed)
+            if not isinstance(sampler, Sampler):
+                raise TypeError(f"the sampler factory returned a {type(sampler).__name__}, not a Sampler")
         self.vision = model.eval() if hasattr(model, "language_model") else None
         if self.vision is not None:
             model = model.language_model
@@ -153,11 +186,13 @@ class LLMEngine:
                                    max_waiting=config.max_waiting, num_speculative_tokens=k,
                                    max_num_encoder_tokens=config.max_num_encoder_tokens)
         self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs,
-                                  speculator=speculator, vision=self.vision)
+                                  speculator=speculator, vision=self.vision, sampler=sampler)
         self.eos_token_id = model.config.eos_token_id
-        self._lock = threading.Lock()
-        # a deque, appended without the lock: abort() may run from a finalizer (gc) on any thread,
-        # even the engine thread while it holds the lock
+        # reentrant: abort() may run from a finalizer (gc) on any thread, even the engine thread
+        # while it holds the lock (it then reads nothing mid-step: `_stepping`)
+        self._lock = threading.RLock()
+        self._stepping = False  # a step is under way (its forward runs without the lock)
+        # a deque: the abort itself is queued and applied by the next step, whichever thread asks
         self._aborts: deque[tuple[str, RequestStatus]] = deque()
         self._ids = itertools.count()
         log.info("engine: %d pages of %d bytes (%d tokens each; KDA state %d pages), hash block %d, prefix cache %s",
@@ -170,6 +205,11 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def sampler(self) -> Sampler:
+        """The engine's token sampler (the `sampler` given, or a `Sampler(config.seed)`)."""
+        return self.runner.sampler
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     boundaries: tuple[int, ...] = (), eos_token_id: int | None = None,
@@ -215,16 +255,37 @@ class LLMEngine:
                              f"{sum(s.length for s in spans)}")
         return tuple(spans)
 
-    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> AbortedRequest | None:
+        """Stop a request: queued, applied at the start of the next step, whose outputs include the
+        request's finished one (finish reason `status.value`, its `generator_state` set). Called
+        between steps (from the thread that steps the engine, or while no step runs), returns the
+        request's final state: no token is sampled before the abort applies. None when the
+        request is unknown or finished, or when a step is under way (it may still sample for the
+        request: the finished output then carries the final state)."""
         self._aborts.append((request_id, status))
+        with self._lock:
+            if self._stepping:
+                return None
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                return None
+            return AbortedRequest(request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+                                  self.runner.sampler.generator_state(request_id, request.sampling))
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._aborts)
 
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
+
+    def _step(self) -> list[RequestOutput]:
         outputs = []
         with self._lock:
+            self._stepping = True
             while self._aborts:
                 rid, status = self._aborts.popleft()
                 request = self.scheduler.finish(rid, status, retain=True)  # between steps: its state is sound
@@ -256,13 +317,16 @@ class LLMEngine:
         return outputs
 
     def _output(self, request: Request, new: list[SampledToken]) -> RequestOutput:
+        state = None
         if request.status.finished:
+            if request.sampling.own_generator:
+                state = self.runner.sampler.generator_state(request.request_id, request.sampling)
             self.runner.forget(request.request_id)
         first = len(request.output_token_ids) == len(new)
         prompt = request.prompt_logprobs if first and request.sampling.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, new, request.status.finished, request.finish_reason,
                              request.num_prompt_tokens, request.num_cached_tokens or 0,
-                             len(request.output_token_ids), request.error, prompt)
+                             len(request.output_token_ids), request.error, prompt, state)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion (a convenience for tests, benchmarks and the terminal chat)."""
@@ -372,7 +436,7 @@ class AsyncEngine:
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  boundaries: tuple[int, ...] = (), eos_token_id: int | None = None, images: list[ImageInput] = (),
                  skip_special_tokens: bool = True, on_finish: Callable[[str], None] | None = None,
-                 text_view: TextView | None = None) -> "RequestStream":
+                 text_view: TextView | None = None) -> RequestStream:
         """Add a request NOW (raising ValueError / QueueFullError / EngineError before anything is
         streamed, so the caller can still answer with a status code) and return its stream of
         deltas. Closing the stream before the end (aclose / close, even before the first
@@ -415,7 +479,7 @@ class RequestStream:
         self._closed = False
         self._gen = self._iterate()
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     def __anext__(self):

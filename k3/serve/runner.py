@@ -483,7 +483,7 @@ class ModelRunner:
                             None if p.greedy else self.sampler.generator(rid, p))
             scale = p.logprob_temperature  # "processed" logprobs: of softmax(z / T)
             out = with_logprobs(tokens, logits if scale == 1.0 else logits.float() / scale, p)
-        except Exception as e:  # as in Sampler.sample: this request fails alone
+        except Exception as e:  # noqa: BLE001 (as in Sampler.sample: this request fails alone)
             return [SampledToken(-1, error=f"sampling failed: {e}")]
         if proposal.tokens:
             self.spec_counts["verified"] += 1

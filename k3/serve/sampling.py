@@ -4,7 +4,14 @@ Token selection reuses `k3.generation.generate.sample_next` (greedy rows in one 
 device, as `generate` picks them; the others row by row), so greedy serving is the model's own
 `generate` by construction; each request may bring its own seed (its own generator,
 so its samples do not depend on what else is in the batch). Logprobs are of the model's raw
-distribution (before temperature / top-k / top-p), as in the OpenAI API.
+distribution (before temperature / top-k / top-p), as in the OpenAI API, unless the request asks
+for `logprobs_mode="processed"`: then they are of softmax(z / T), the distribution its tokens are
+drawn from before top-k / top-p truncation (what an RL trainer's importance ratio needs).
+
+A request's own generator starts from its `seed`, or from a saved `generator_state` (a CPU
+ByteTensor of `torch.Generator.get_state()`): a stream paused after some tokens resumes exactly
+where it stopped. `Sampler.generator_state` reads a request's state after its last draw; the
+engine returns it on the request's finished output and from `LLMEngine.abort`.
 
 A row whose sampling raises (non-finite logits) gets a `SampledToken` with `error` set instead of
 failing the batch: the engine finishes that request alone with finish reason "error".
@@ -26,6 +33,9 @@ MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound
 # per-token cost of matching (the OpenAI API also allows at most 4).
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+# SamplingParams.logprobs_mode: "raw", the model's T = 1 distribution (the OpenAI API's logprobs);
+# "processed", log softmax(z / T), the distribution sampled from before top-k / top-p truncation
+LOGPROBS_MODES = ("raw", "processed")
 
 
 def generator_seed(seed: int) -> int:
@@ -51,6 +61,12 @@ class SamplingParams:
     # None: off; n >= 0: each prompt token's logprob (from the second on) plus the top n, as vLLM's
     # prompt_logprobs. Such a request never reads the prefix cache: a cached prefix has no logits.
     prompt_logprobs: int | None = None
+    # what `logprobs` scores (LOGPROBS_MODES): "raw" (T = 1, the default) or "processed" (softmax(z / T),
+    # before top-k / top-p; a greedy request's logits are divided by no temperature, so it reports raw ones)
+    logprobs_mode: str = "raw"
+    # the request's generator starts from this state (torch.Generator.get_state(), a CPU ByteTensor)
+    # instead of from `seed`: a sampled stream resumes where it stopped (Sampler.generator_state)
+    generator_state: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
@@ -71,10 +87,32 @@ class SamplingParams:
             raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.generator_state is not None:
+            state = self.generator_state
+            if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.device.type != "cpu":
+                raise ValueError("generator_state must be a CPU uint8 tensor (torch.Generator.get_state())")
+            try:
+                torch.Generator().set_state(state)
+            except RuntimeError as e:
+                raise ValueError(f"generator_state is not a CPU generator's state: {e}") from None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW  # what sample_next treats as greedy
+
+    @property
+    def logprob_temperature(self) -> float:
+        """What the logits are divided by before the log-softmax of `logprobs`: the temperature in
+        "processed" mode (a sampling request), else 1."""
+        return self.temperature if self.logprobs_mode == "processed" and not self.greedy else 1.0
+
+    @property
+    def own_generator(self) -> bool:
+        """Whether the request draws from its own generator (a seed or a generator_state), not the
+        sampler's shared one."""
+        return self.seed is not None or self.generator_state is not None
 
 
 @dataclass
@@ -86,30 +124,57 @@ class SampledToken:
 
 
 class Sampler:
-    """Picks one token per row of logits [N, V] with each row's own parameters."""
+    """Picks one token per row of logits [N, V] with each row's own parameters.
+
+    The engine's sampler can be replaced (`LLMEngine(..., sampler=...)`: an instance, or a factory
+    called with `EngineConfig.seed`); a subclass may override the public methods below, which are
+    all the engine calls."""
 
     def __init__(self, seed: int | None = None):
-        self._generator = torch.Generator()  # for requests without a seed
+        self._generator = torch.Generator()  # for requests without a seed or generator state
         if seed is not None:
             self._generator.manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
 
     def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
+        """The generator a sampling request draws from: its own, created at its first draw from
+        `params.generator_state` or else `params.seed`, or the shared one when it has neither."""
+        if not params.own_generator:
             return self._generator
         gen = self._per_request.get(request_id)
         if gen is None:
-            gen = self._per_request[request_id] = torch.Generator().manual_seed(generator_seed(params.seed))
+            gen = torch.Generator()
+            if params.generator_state is not None:
+                gen.set_state(params.generator_state)
+            else:
+                gen.manual_seed(generator_seed(params.seed))
+            self._per_request[request_id] = gen
         return gen
 
+    def generator_state(self, request_id: str, params: SamplingParams) -> torch.Tensor | None:
+        """The request's own generator state now, after its last draw (a CPU ByteTensor, a copy):
+        the state it starts from if it has drawn nothing yet; None when it has no generator of its
+        own (neither seed nor generator_state: it draws from the shared one). Passed back as
+        `SamplingParams.generator_state`, it continues the stream."""
+        gen = self._per_request.get(request_id)
+        if gen is not None:
+            return gen.get_state()
+        if params.generator_state is not None:
+            return params.generator_state.clone()
+        if params.seed is not None:
+            return torch.Generator().manual_seed(generator_seed(params.seed)).get_state()
+        return None
+
     def forget(self, request_id: str) -> None:
+        """The request finished: drop its generator."""
         self._per_request.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[SampledToken]:
         """Greedy rows without logprobs (what most serving traffic asks for) take one batched argmax
         where the logits are, so only their token ids cross to the host; the other rows move to the
         host in fp32 and each takes its own generator (per-row argmax calls and the [N, V] copy cost
-        more host time than a replayed decode step on GPU)."""
+        more host time than a replayed decode step on GPU). Logprobs are one batched log-softmax
+        of the rows, each divided by its `logprob_temperature` when some row is "processed"."""
         out: list[SampledToken | None] = [None] * len(params)
         plain = [n for n, p in enumerate(params) if p.greedy and p.logprobs is None]
         if plain:
@@ -120,12 +185,18 @@ class Sampler:
         if not rest:
             return out
         host = logits[rest].float().cpu()
-        logprobs = torch.log_softmax(host, dim=-1) if any(params[n].logprobs is not None for n in rest) else None
+        logprobs = None
+        if any(params[n].logprobs is not None for n in rest):
+            scaled = host
+            if any(params[n].logprobs_mode != "raw" for n in rest):  # x / 1 is x: raw rows are unchanged
+                scaled = host / torch.tensor([params[n].logprob_temperature for n in rest],
+                                             dtype=torch.float32)[:, None]
+            logprobs = torch.log_softmax(scaled, dim=-1)
         for row, n in enumerate(rest):
             try:
                 out[n] = self._sample_row(host[row:row + 1], None if logprobs is None else logprobs[row],
                                           request_ids[n], params[n])
-            except Exception as e:  # this request fails alone; its batch-mates keep their tokens
+            except Exception as e:  # noqa: BLE001 (this request fails alone; its batch-mates keep their tokens)
                 log.warning("sampling failed for request %s: %r", request_ids[n], e)
                 out[n] = SampledToken(-1, error=f"sampling failed: {e}")
         return out
