@@ -1,6 +1,6 @@
 """The agent loop of the SFT issue's acceptance, played with the unmodified `openai` client against
 a running `k3 serve --run <sft run>`: held-out tool prompts of the default SFT set, greedy, each
-asked streamed and not; the client runs the tool call the reply makes (k3/sft/tools.py), sends the
+asked streamed and not; the client runs the tool call the reply makes (k3/tasks/tools.py), sends the
 result and reads the final answer. Prints a line per prompt and a summary (docs/BENCHMARKS.md
 "Post-training").
 
@@ -13,9 +13,9 @@ import argparse
 
 import openai
 
-from k3.sft import default_set
 from k3.sft.agent_eval import prompt_messages
-from k3.sft.tools import call_tool
+from k3.tasks import default_set
+from k3.tasks.tools import call_tool
 
 
 def turn(client, model: str, messages: list[dict], tools: list[dict], stream: bool):

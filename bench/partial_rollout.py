@@ -5,7 +5,7 @@ lower, on the long-tailed arithmetic mix (issue #23 acceptance 3; docs/BENCHMARK
                                     [--prompts 8] [--samples 8] [--max-tokens 192] [--json OUT]
 
 For each stop fraction, a fresh `k3 rl` trainer (k3/rl/trainer.py) from the same SFT checkpoint runs
-`iterations` iterations on `k3.rl.domains.LONG_TAIL` arithmetic (most problems one or two steps, a
+`iterations` iterations on `k3.tasks.domains.LONG_TAIL` arithmetic (most problems one or two steps, a
 few a dozen), each a rollout plus an optimizer step. Reported per fraction: the median and mean
 seconds per iteration after the first (the first has nothing paused to resume), trajectories
 finished per iteration, sampled tokens per second, and the check that every trajectory created is
@@ -22,8 +22,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from k3.rl.domains import LONG_TAIL
 from k3.rl.trainer import RLSettings, RLTrainer
+from k3.tasks.domains import LONG_TAIL
 
 
 def main() -> None:

@@ -20,6 +20,9 @@ FORBIDDEN = {
     ("k3.model", "k3.serve"): "model code is single-device math with no serving types",
     ("k3.model", "k3.train"): "model code knows nothing of training",
     ("k3.model", "k3.checkpoint"): "model code has no file I/O",
+    ("k3.rl", "k3.sft"): "RL and SFT are peers: the task world they share is k3.tasks",
+    ("k3.tasks", "k3.sft"): "the task world serves SFT and RL, and imports neither",
+    ("k3.tasks", "k3.rl"): "the task world serves SFT and RL, and imports neither",
 }
 
 
@@ -133,6 +136,13 @@ def test_no_import_cycle_between_parts():
 def test_forbidden_edge(src, dst):
     edges = import_graph()
     assert (src, dst) not in edges, f"{src} imports {dst} at {', '.join(edges[(src, dst)])}: {FORBIDDEN[(src, dst)]}"
+
+
+def test_nothing_imports_rl():
+    """RL is a leaf: the verbs reach it by name (k3/cli.py), nothing else builds on its internals."""
+    edges = import_graph()
+    users = {src: where for (src, dst), where in edges.items() if dst == "k3.rl"}
+    assert not users, f"k3.rl is imported by {', '.join(f'{s} ({w[0]})' for s, w in users.items())}"
 
 
 def test_walker_resolves_relative_and_function_level_imports(tmp_path, monkeypatch):

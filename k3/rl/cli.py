@@ -8,9 +8,9 @@ import dataclasses
 import json
 
 from k3.checkpoint.training_state import ResumeStateError
-from k3.rl.domains import DOMAIN_CLASSES
 from k3.rl.effort import EFFORTS
 from k3.rl.trainer import RLSettings, RLTrainer
+from k3.tasks.domains import DOMAIN_CLASSES
 from k3.train.cli import add_optimizer_arguments, add_run_arguments, train_verb
 from k3.train.trainer import TrainError
 

@@ -1,5 +1,5 @@
 """Cold-start SFT data for the RL domains: each task's prompt and its reference episode
-(k3/rl/domains.py) as OpenAI-style conversations, so the SFT model RL starts from has seen the
+(k3/tasks/domains.py) as OpenAI-style conversations, so the SFT model RL starts from has seen the
 domains' formats (seeds §6.1.1: SFT precedes RL). Written as a JSONL for `k3 sft --data`:
 
     python -m k3.rl.cold_start data/cold.jsonl --domains arithmetic,strings,tool --size 200
@@ -25,10 +25,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from k3.rl.domains import make_domain
 from k3.rl.effort import EFFORTS
 from k3.rl.effort import effort as effort_level
-from k3.sft import default_set
+from k3.tasks import default_set
+from k3.tasks.domains import make_domain
 
 COLD_START_OFFSET = 1_000_000
 DEFAULT_EFFORTS = tuple(EFFORTS)  # max, high, low: every level, in training order

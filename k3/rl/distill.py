@@ -29,12 +29,12 @@ import torch
 from k3.checkpoint.files import CheckpointError
 from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import pin
-from k3.rl.domains import Task, make_domain
 from k3.rl.effort import EFFORTS, Budget, load_budgets
 from k3.rl.episodes import run_episodes, summarize, train_rows
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, token_logprobs
 from k3.rl.rollout import Prompt, Trajectory
 from k3.rl.trainer import BUDGETS_FILE, HELDOUT_FILE, RLTrainer, RolloutSettings, check, validate_rollout
+from k3.tasks.domains import Task, make_domain
 from k3.text.tokenizer import load_tokenizer
 from k3.train.errors import TrainError
 from k3.train.packing import windows_for_step

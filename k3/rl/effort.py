@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3.atomic import write_text_atomic
-from k3.rl.domains import DOMAINS
+from k3.tasks.domains import DOMAINS
 from k3.text.xtml import EFFORTS as XTML_EFFORTS
 
 TAU_MAX = 2.0
@@ -153,7 +153,7 @@ def sampled_figures(budgets: Iterable[Budget]) -> dict | None:
 
 
 def reference_length(task, xtml, effort_name: str = "max") -> int:
-    """T(y) of the task's reference solution (k3/rl/domains.py), rendered in `xtml`'s tokens."""
+    """T(y) of the task's reference solution (k3/tasks/domains.py), rendered in `xtml`'s tokens."""
     history, turns = list(task.messages), []
     for m in task.reference:
         if m["role"] == "assistant":

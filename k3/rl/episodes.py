@@ -2,7 +2,7 @@
 episode, and batched greedy episodes for held-out evaluation.
 
 An episode is the task's prompt, a reply, and for the tool domain the tool results and the next
-reply, up to `task.max_turns` (k3/rl/domains.py). Token in / token out (`next_turn`): the next
+reply, up to `task.max_turns` (k3/tasks/domains.py). Token in / token out (`next_turn`): the next
 turn's prompt is this turn's prompt and reply exactly as sampled, then the tool results and the
 generation prompt as XTML renders them. The reply is never re-encoded from its parsed messages: a
 re-rendered reply can tokenize differently (another BPE split, a reordered argument), and the policy
@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 
 from k3.generation.generate import generate
-from k3.rl.domains import Score, Task, continue_with_tool_results, needs_another_turn
 from k3.rl.effort import Budget, length_of, within_budget
+from k3.tasks.domains import Score, Task, continue_with_tool_results, needs_another_turn
 
 
 class NextTurn(NamedTuple):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.rl.cold_start import parse_efforts
-from k3.rl.domains import DOMAIN_CLASSES, make_domain
+from k3.tasks.domains import DOMAIN_CLASSES, make_domain
 from k3.threads import ThreadsError, configure
 
 

@@ -9,7 +9,7 @@ One iteration = one optimizer step:
    tokens, behaviour log-probs, per-token policy versions and generator state and are resumed
    first next iteration. A tool episode takes several
    turns: a finished turn that called a tool becomes a new trajectory whose prompt holds the tool
-   results (k3/rl/domains.py), resumed like any unfinished one (lambda = 1 runs it to the end now).
+   results (k3/tasks/domains.py), resumed like any unfinished one (lambda = 1 runs it to the end now).
 2. Reward: a finished episode is verified (domain verifier), its length T(y) measured, and
    `shaped_reward` gives -1 beyond tau * b0(x) (k3/rl/effort.py), else 1 / 0 for right / wrong.
 3. Advantage: reward minus the mean reward of its group's episodes finished so far (this iteration's
@@ -47,7 +47,6 @@ from k3.checkpoint.run_folder import latest_checkpoint, pin, read_pins, write_pi
 from k3.config import K3Config
 from k3.generation.generate import MAX_TEMPERATURE
 from k3.model.transformer import K3ForCausalLM
-from k3.rl.domains import DOMAIN_CLASSES, Task, make_domain, needs_another_turn
 from k3.rl.effort import (
     EFFORTS,
     Budget,
@@ -70,7 +69,8 @@ from k3.rl.objective import (
 )
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
 from k3.serve.engine import EngineConfig
-from k3.sft.trainer import adopt_chat_model
+from k3.tasks.domains import DOMAIN_CLASSES, Task, make_domain, needs_another_turn
+from k3.train.chat_start import load_chat_start
 from k3.train.errors import TrainError
 from k3.train.muon import OPTIMIZERS
 from k3.train.packing import windows_for_step
@@ -119,7 +119,7 @@ class RolloutSettings:
 @dataclass
 class RLSettings(RolloutSettings):
     """Everything that defines an RL run (saved as run.json; `--resume` reads it back)."""
-    domain: str = "arithmetic"  # arithmetic | strings | tool (k3/rl/domains.py)
+    domain: str = "arithmetic"  # arithmetic | strings | tool (k3/tasks/domains.py)
     domain_options: dict = field(default_factory=dict)  # max_level, tail, digits (arithmetic), n_tools (tool)
     effort: str = "max"  # low | high | max: the XTML effort message and the default tau
     tau: float | None = None  # budget multiple; None: the effort level's (max 2, high 1, low 0.5)
@@ -245,8 +245,8 @@ class RLTrainer(Trainer):
                 model = load_pretrained(self.init_checkpoint)
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             raise TrainError(f"cannot load the initial checkpoint: {e}") from None
-        adopt_chat_model(self, model, self.run_dir if resume else self.init_checkpoint, settings.init, verb,
-                         settings.init, f"{verb} needs a chat model (a `k3 sft` run)")
+        self._adopt_chat(load_chat_start(model.config, self.run_dir if resume else self.init_checkpoint, settings.init,
+                                         verb, settings.init, f"{verb} needs a chat model (a `k3 sft` run)"), model.config)
         return model
 
     def _write_pins(self) -> None:

@@ -1,8 +1,8 @@
 """Held-out agent episodes, batched: prompt -> reply (maybe a tool call) -> tool result -> final reply.
 
 Every episode's first reply is generated in one batch, the tools the model called are executed with
-the model's own arguments (k3/sft/tools.py), and the final replies are generated in a second batch;
-k3/sft/scoring.py then scores each episode (valid XTML, right tool, valid arguments, final answer).
+the model's own arguments (k3/tasks/tools.py), and the final replies are generated in a second batch;
+k3/tasks/scoring.py then scores each episode (valid XTML, right tool, valid arguments, final answer).
 Greedy decoding, so the figures are a pure function of the weights.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from k3.generation.generate import generate
-from k3.sft.scoring import score, summarize
-from k3.sft.tools import call_tool
+from k3.tasks.scoring import score, summarize
+from k3.tasks.tools import call_tool
 from k3.text.xtml import XTML
 
 
@@ -44,7 +44,7 @@ def assistant_message(reply) -> dict:
 
 @torch.no_grad()
 def run_episodes(model, chat: XTML, conversations, max_tokens: int = 160) -> tuple[dict, list[dict]]:
-    """`conversations`: objects with `.messages`, `.tools` and `.expected` (k3/sft/dataset.py).
+    """`conversations`: objects with `.messages`, `.tools` and `.expected` (k3/tasks/conversations.py).
     Returns (summary of the scores, one record per episode)."""
     was_training = model.training
     model.eval()

@@ -10,8 +10,8 @@ import argparse
 import dataclasses
 
 from k3.checkpoint.training_state import ResumeStateError
-from k3.sft.dataset import SFTDataError
 from k3.sft.trainer import SFTSettings, SFTTrainer
+from k3.tasks.conversations import SFTDataError
 from k3.train.cli import add_optimizer_arguments, add_run_arguments, train_verb
 from k3.train.trainer import TrainError
 

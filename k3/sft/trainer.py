@@ -27,14 +27,12 @@ from k3.checkpoint.files import CheckpointError, read_json
 from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
 from k3.config import K3Config
-from k3.model.multimodal import vision_config_of
 from k3.model.transformer import K3ForCausalLM
-from k3.sft import default_set
 from k3.sft.agent_eval import run_episodes
 from k3.sft.batches import example, pack_examples, rows_of
-from k3.sft.dataset import SFTDataError, check_length, read_conversations
-from k3.text.tokenizer import load_tokenizer
-from k3.text.xtml import XTML
+from k3.tasks import default_set
+from k3.tasks.conversations import SFTDataError, check_length, read_conversations
+from k3.train.chat_start import load_chat_start
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
 from k3.train.packing import IGNORE_INDEX, windows_for_step
@@ -90,24 +88,6 @@ def _validate(s: SFTSettings, world_size: int, max_positions: int) -> None:
     need(s.agent_episodes >= 0 and s.max_reply_tokens >= 1, "agent episodes must be >= 0, max reply tokens >= 1")
 
 
-def adopt_chat_model(trainer: Trainer, model: K3ForCausalLM, tokenizer_from, init: str, verb: str,
-                     label, hint: str) -> None:
-    """What every post-training verb checks of its starting model: a text model (a VL checkpoint
-    would lose its tower), a readable tokenizer (from `tokenizer_from`) that fits it, and K3's chat
-    markers in it (`trainer.chat`); TrainError otherwise ("LABEL: why; HINT" for the markers)."""
-    if vision_config_of(model.config) is not None:
-        raise TrainError(f"{init} is a vision-language model: {verb} trains text models")
-    try:
-        trainer.tokenizer = load_tokenizer(tokenizer_from)
-    except (FileNotFoundError, ValueError) as e:  # a checkpoint saved without it, or a damaged one
-        raise TrainError(f"cannot load the tokenizer: {e}") from None
-    trainer._adopt_tokenizer(model.config)
-    try:
-        trainer.chat = XTML(trainer.tokenizer)
-    except ValueError as e:
-        raise TrainError(f"{label}: {e}; {hint}") from None
-
-
 class SFTTrainer(Trainer):
     SETTINGS = SFTSettings
     CHAT_MODEL = True
@@ -130,8 +110,8 @@ class SFTTrainer(Trainer):
         except (FileNotFoundError, CheckpointError, ValueError) as e:
             raise TrainError(f"cannot load the initial checkpoint: {e}") from None
         _validate(settings, self.world.size, model.config.max_position_embeddings)
-        adopt_chat_model(self, model, self.run_dir if resume else source, settings.init, "k3 sft", source,
-                         "SFT needs a tokenizer trained with K3's chat markers")
+        self._adopt_chat(load_chat_start(model.config, self.run_dir if resume else source, settings.init, "k3 sft",
+                                         source, "SFT needs a tokenizer trained with K3's chat markers"), model.config)
         self._setup_conversations(settings)
         self._write_run_files(settings, resume)
         self._setup_model(model, resume)

@@ -45,6 +45,7 @@ from k3.text.tokenizer import (
     train_tokenizer,
 )
 from k3.train.balance import balance_step, expert_loads
+from k3.train.chat_start import ChatStart
 from k3.train.errors import TrainError
 from k3.train.init import INITS, init_for_training
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
@@ -299,6 +300,12 @@ class Trainer:
             raise TrainError(str(e)) from None
         self.config = config.replace(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
         self.token_bytes = torch.tensor(token_bytes(self.tokenizer) + [0] * (config.vocab_size - self.tokenizer.get_vocab_size()))
+
+    def _adopt_chat(self, start: ChatStart, config: K3Config) -> None:
+        """A post-training verb's start (k3.train.chat_start): its tokenizer, fitted to `config`, and
+        its chat format."""
+        self.tokenizer, self.chat = start.tokenizer, start.chat
+        self._adopt_tokenizer(config)
 
     def _write_run_files(self, settings, resume: bool) -> None:
         """Everything validated: from here on we write."""

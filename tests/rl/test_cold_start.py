@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from k3.rl.cold_start import conversations, main
-from k3.rl.domains import make_domain
-from k3.sft.dataset import read_conversations
+from k3.tasks.conversations import read_conversations
+from k3.tasks.domains import make_domain
 
 
 def test_cold_start_is_valid_sft_data_and_never_held_out(tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from k3.rl.domains import make_domain
 from k3.rl.effort import (
     DEFAULT_BUDGET,
     EFFORTS,
@@ -22,8 +21,9 @@ from k3.rl.effort import (
     think_tokens,
     within_budget,
 )
+from k3.tasks.domains import make_domain
 from k3.text.tokenizer import encode_texts
-from tests.rl.test_domains import xtml
+from tests.tasks.test_domains import xtml
 
 
 def generated(x, task, assistant: dict, history=None, effort_name="max") -> list[int]:

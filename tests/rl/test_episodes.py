@@ -11,9 +11,9 @@ import torch
 
 from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
-from k3.rl.domains import make_domain
 from k3.rl.episodes import EpisodeRow, next_turn, train_rows
 from k3.rl.objective import pack_trajectories, token_logprobs, trained_tokens
+from k3.tasks.domains import make_domain
 from k3.text.tokenizer import train_tokenizer
 from k3.text.xtml import XTML
 from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from k3.rl.domains import make_domain
 from k3.rl.episodes import run_episodes
 from k3.rl.evaluate import evaluate, load_run, main
+from k3.tasks.domains import make_domain
 from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.helpers.train import trained_tiny_run
 

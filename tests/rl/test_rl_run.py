@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import k3.rl.trainer as rl_trainer
-from k3.rl.domains import continue_with_tool_results
 from k3.rl.objective import trained_tokens
 from k3.rl.rollout import Trajectory
 from k3.rl.trainer import RLSettings, RLTrainer
+from k3.tasks.domains import continue_with_tool_results
 from k3.train.errors import TrainError
 from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.helpers.train import quiet, trained_tiny_run

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from k3.sft import default_set as ds
-from k3.sft.dataset import read_conversations
-from k3.sft.tools import TABLE, TOOLS, call_tool
+from k3.tasks import default_set as ds
+from k3.tasks.conversations import read_conversations
+from k3.tasks.tools import TABLE, TOOLS, call_tool
 
 N = 600  # per split: enough to see every kind and template, fast to generate
 

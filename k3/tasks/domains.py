@@ -10,7 +10,7 @@ records an index resumes onto the same task and two machines see the same prompt
   Its brief trace (`Task.brief`, what a high-effort episode thinks) keeps each step's result alone.
 - `strings`: reverse letters, sort numbers, count a letter, take the k-th word; difficulty is the
   length of the string or list (2 + level). The brief trace keeps the result without the steps.
-- `tool`: the model must call a tool (the SFT tools of k3/sft/tools.py) to learn a value no one can
+- `tool`: the model must call a tool (the SFT tools of k3/tasks/tools.py) to learn a value no one can
   guess: a made-up fact from the bundled table (`lookup`) or a unit conversion (`convert`), then
   answer with it. Multi-turn: `continue_with_tool_results` runs the calls and gives the next
   turn's messages, up to `max_turns` assistant turns. The prompts reuse the SFT default set's
@@ -20,7 +20,7 @@ Train vs held-out (both splits come from the same generator, then are filtered):
 - arithmetic and strings: a problem (its canonical text, e.g. "arithmetic|(7 + 5) * 3 - 4") is
   held out when the SHA-256 of that text falls in the first HELDOUT_PERCENT of the range, so no
   held-out problem is ever a training problem, on any machine and for any seed;
-- tool: the SFT default set's own split (`k3.sft.default_set.item_split`): whole places and two
+- tool: the SFT default set's own split (`k3.tasks.default_set.item_split`): whole places and two
   whole unit pairs are held out, plus a hashed share of the conversions, and held-out prompts also
   use the SFT phrasings that training never sees. So an RL held-out tool task was held out of SFT
   too.
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
 
-from k3.sft.default_set import ANSWERS, DEFAULT_N_TOOLS, REASONING, TEMPLATES, UNIT_PAIRS, WORDS, item_split
-from k3.sft.tools import FACTS, PLACES, TOOLS, UNITS, call_tool, lookup_key, parse_arguments
+from k3.tasks.default_set import ANSWERS, DEFAULT_N_TOOLS, REASONING, TEMPLATES, UNIT_PAIRS, WORDS, item_split
+from k3.tasks.tools import FACTS, PLACES, TOOLS, UNITS, call_tool, lookup_key, parse_arguments
 from k3.text.xtml import EFFORTS
 
 SPLITS = ("train", "heldout")
@@ -476,7 +476,7 @@ class ToolUse(Domain):
 def continue_with_tool_results(task: Task, reply: Reply, messages: list[dict] | None = None) -> list[dict]:
     """The next turn's messages: the history (default: the task's prompt), the reply as an assistant
     message (its reasoning kept: K3 trains and serves with the thinking history, seeds §6.1.1), and
-    each call's result from k3.sft.tools (an "error: ..." result for a bad call, so the model can retry)."""
+    each call's result from k3.tasks.tools (an "error: ..." result for a bad call, so the model can retry)."""
     if not reply.tool_calls:
         raise ValueError(f"{task.id}: the reply calls no tool, there is no tool result to continue with")
     history = [dict(m) for m in (task.messages if messages is None else messages)]

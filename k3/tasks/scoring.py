@@ -1,7 +1,7 @@
 """Scoring a model on held-out SFT conversations: is the reply well-formed, is the tool right, are the
 arguments right, is the answer right.
 
-A conversation's `expected` (written by k3/sft/default_set.py) is {"tool": name or None, "arguments":
+A conversation's `expected` (written by k3/tasks/default_set.py) is {"tool": name or None, "arguments":
 {...} or None, "answer": str}. `agent_episode` plays one conversation against a model: the prompt up
 to the first assistant turn, the model's first reply, the model's own tool call run with `call_tool`,
 and its final reply. Replies are whatever the chat renderer's parser returns; only the `Reply`
@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Protocol
 
-from k3.sft.tools import TOOLS, call_tool
+from k3.tasks.tools import TOOLS, call_tool
 from k3.text.tool_schema import compile_parameters
 
 METRICS = ("valid_xtml", "right_tool", "valid_arguments", "tool_ok", "answer_correct")

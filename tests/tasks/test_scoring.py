@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from k3.sft import default_set as ds
-from k3.sft.scoring import METRICS, agent_episode, contains_answer, score, summarize
-from k3.sft.tools import TOOLS, call_tool
+from k3.tasks import default_set as ds
+from k3.tasks.scoring import METRICS, agent_episode, contains_answer, score, summarize
+from k3.tasks.tools import TOOLS, call_tool
 
 EXPECTED = {"tool": "convert", "arguments": {"value": 3, "from": "km", "to": "m"}, "answer": "3000 m"}
 PLAIN = {"tool": None, "arguments": None, "answer": "gold key"}

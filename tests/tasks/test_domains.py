@@ -1,4 +1,4 @@
-"""Verifiable RL domains (k3/rl/domains.py): determinism, train/held-out disjointness, verifiers on
+"""Verifiable RL domains (k3/tasks/domains.py): determinism, train/held-out disjointness, verifiers on
 correct / wrong / malformed / missing replies, XTML render -> parse round trips, the tool domain's
 multi-turn episode, and the long-tail difficulty knob."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from functools import lru_cache
 
 import pytest
 
-from k3.rl.domains import (
+from k3.tasks.default_set import HELDOUT_PAIRS, TEMPLATES, place_split
+from k3.tasks.domains import (
     DOMAINS,
     LONG_TAIL,
     SPLITS,
@@ -20,8 +21,7 @@ from k3.rl.domains import (
     make_domain,
     needs_another_turn,
 )
-from k3.sft.default_set import HELDOUT_PAIRS, TEMPLATES, place_split
-from k3.sft.tools import PLACES
+from k3.tasks.tools import PLACES
 from k3.text.tokenizer import train_tokenizer
 from k3.text.xtml import XTML
 from k3.text.xtml_parser import Reply

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from k3.sft.dataset import Conversation, SFTDataError, check_length, read_conversations
-from k3.sft.tools import TOOLS
+from k3.tasks.conversations import Conversation, SFTDataError, check_length, read_conversations
+from k3.tasks.tools import TOOLS
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
 GOOD = {"messages": [{"role": "user", "content": "What is 2 + 3?"},

@@ -17,7 +17,7 @@ itself, ~115 of them assistant tokens that carry the loss; n_tools=1 makes it ~5
   needed. ...") and greetings, which have no reasoning at all (nothing to think about; XTML renders
   an empty think channel). Tools stay declared, so the model learns when not to call one.
 Numbers are small (two-digit operands, results of a few digits); lookups are made-up facts
-(k3/sft/tools.py), so only the tool knows them. Values are many (1,000 places, 20 unit pairs, ~30k
+(k3/tasks/tools.py), so only the tool knows them. Values are many (1,000 places, 20 unit pairs, ~30k
 expressions), so that a model cannot fit the training set by naming values it memorized and the
 held-out split measures copying.
 
@@ -29,7 +29,7 @@ Held-out split, by template and by value:
   three whole unit pairs are held out, but their table entries and units exist, so every held-out
   call can be answered by copying.
 Every conversation carries `expected` = {"tool", "arguments", "answer"} (tool None for plain
-answers): what scoring a model's replies needs (k3/sft/scoring.py).
+answers): what scoring a model's replies needs (k3/tasks/scoring.py).
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ import random
 from pathlib import Path
 
 from k3.atomic import write_text_atomic
-from k3.sft.dataset import Conversation, parse_conversation
-from k3.sft.tools import FACTS, PLACES, TOOLS, UNITS, call_tool, lookup_key
+from k3.tasks.conversations import Conversation, parse_conversation
+from k3.tasks.tools import FACTS, PLACES, TOOLS, UNITS, call_tool, lookup_key
 
 SPLITS = ("train", "heldout")
 HELDOUT_PERCENT = 20
