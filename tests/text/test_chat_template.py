@@ -218,6 +218,41 @@ def test_errors_raise_in_both(x, hf):
         assert check(x, hf, msgs, **kw) is None
 
 
+# ---------------------------------------------------------------- the official encoder's keywords
+
+def official_render(hf, messages, *, tools, thinking, thinking_effort, tokenize=False):
+    """apply_chat_template with the official encoder's keywords only (no reasoning_effort)."""
+    return hf.apply_chat_template(messages, tools=tools, tokenize=tokenize, return_dict=False,
+                                  add_generation_prompt=True, thinking=thinking, thinking_effort=thinking_effort)
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER, SEARCH]], ids=["no-tools", "tools"])
+@pytest.mark.parametrize("level", EFFORTS)
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking-on", "thinking-off"])
+def test_official_keywords_render_what_xtml_renders(x, hf, thinking, level, tools):
+    """`thinking_effort` was not read: "low" and "high" rendered max (issue #58)."""
+    msgs = every_form(tools_in_history=tools is not None)
+    want = x.render_text(msgs, tools=tools, thinking=thinking, reasoning_effort=level)
+    got = official_render(hf, msgs, tools=tools, thinking=thinking, thinking_effort=level)
+    assert got == want
+    assert (f"`thinking_effort={level}`" in got) == thinking and got.count("thinking_effort=") == thinking
+    rendered = x.render(msgs, tools=tools, thinking=thinking, reasoning_effort=level).token_ids
+    assert not forged(want, rendered)
+    assert official_render(hf, msgs, tools=tools, thinking=thinking, thinking_effort=level, tokenize=True) == rendered
+
+
+def test_unknown_thinking_effort_is_an_error_not_the_default(hf):
+    msgs = [{"role": "user", "content": "hi"}]
+    for value in ("medium", "minimal", "none", "MAX", "", 3, ["low"]):  # OpenAI's extra names are reasoning_effort's
+        with pytest.raises(TemplateError, match="thinking_effort must be one of"):
+            official_render(hf, msgs, tools=None, thinking=True, thinking_effort=value)
+    with pytest.raises(TemplateError, match="disagree"):  # both keywords given: they must name one level
+        hf.apply_chat_template(msgs, tokenize=False, thinking_effort="low", reasoning_effort="high")
+    both = hf.apply_chat_template(msgs, tokenize=False, thinking_effort="high", reasoning_effort="medium")
+    assert both == hf.apply_chat_template(msgs, tokenize=False, thinking_effort="high")
+    assert official_render(hf, msgs, tools=None, thinking=True, thinking_effort=None) == hf_render(hf, msgs)
+
+
 # ---------------------------------------------------------------- random conversations
 
 RANDOM = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
