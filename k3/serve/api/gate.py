@@ -1,10 +1,15 @@
-"""The gate every HTTP request passes before the app sees it: the API key, then the body size.
+"""The gate every HTTP request passes before the app sees it: the framing, the API key, then the
+body size.
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which wraps `receive` so that a
 handler can no longer see the client disconnect). The key is checked from the headers before
 any byte of the body is read, and the body is refused with 413 from its Content-Length or, for a
 chunked body, as soon as what has arrived passes the limit: a hostile client cannot make the
-server buffer or parse more than `max_request_bytes`.
+server buffer or parse more than `max_request_bytes`. A request with both Content-Length and
+Transfer-Encoding is a 400 at once (RFC 9112 §6.1 lets a server reject it, and says to close the
+connection after): uvicorn's h11 reads such a body as chunked, so a client that sent it framed by
+its Content-Length was held open, waiting for chunks that never came (and the two framings are
+how requests are smuggled past a proxy that reads the other one).
 """
 from __future__ import annotations
 
@@ -17,6 +22,10 @@ from k3.serve.api.protocol import APIError
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a model length, far below memory
 # readable without the API key: probes, scrapers and the published schema
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+
+
+def _ambiguous_framing() -> APIError:
+    return APIError(400, "a request may have Content-Length or Transfer-Encoding, not both", code="ambiguous_framing")
 
 
 def _too_large(limit: int) -> APIError:
@@ -34,6 +43,8 @@ class RequestGate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])  # lower-case names as bytes (ASGI)
+        if b"content-length" in headers and b"transfer-encoding" in headers:
+            return await _reply(_ambiguous_framing(), scope, receive, send)
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):

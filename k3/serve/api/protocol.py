@@ -97,16 +97,23 @@ class StreamOptions(_Request):
 
 def _integer(value):
     """JSON Schema's integer: pydantic's lax int would also take `true` and `"1"`."""
-    if isinstance(value, (bool, str)):
-        raise ValueError("Input should be an integer, not a boolean or a string")
+    if isinstance(value, (bool, str)):  # a ValueError: pydantic makes it a 400, a TypeError would be a 500
+        raise ValueError("Input should be an integer, not a boolean or a string")  # noqa: TRY004
     return value
 
 
-Integer = Annotated[int, BeforeValidator(_integer)]
+def integer(ge: int | None = None, le: int | None = None):
+    """A JSON Schema integer within [ge, le]. The bounds sit on the int inside the validator: put on
+    the validated type instead, pydantic still enforces them but publishes them as `ge`/`le`, words
+    JSON Schema does not have (so the schema allowed `logprobs: 100`), not as `minimum`/`maximum`."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integer)]
+
+
+Integer = integer()
 
 # what the published schema states, so that a request built from it is one the server accepts
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-TokenId = Annotated[Integer, Field(ge=0)]
+TokenId = integer(ge=0)
 Unsupported = "accepted for compatibility; only the default is supported"
 
 
@@ -114,12 +121,12 @@ class _Sampling(_Request):
     model: str
     temperature: StrictFloat | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
-    top_k: Integer = Field(0, ge=0, le=MAX_INT)  # extension (vLLM-style); 0 = off
-    n: Integer = Field(1, ge=1, le=1, description="one choice per request")
+    top_k: integer(0, MAX_INT) = 0  # extension (vLLM-style); 0 = off
+    n: integer(1, 1) = Field(1, description="one choice per request")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: Integer | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: integer(-(2**63), 2**63 - 1) | None = None
     presence_penalty: StrictFloat = Field(0.0, ge=0.0, le=0.0, description=Unsupported)
     frequency_penalty: StrictFloat = Field(0.0, ge=0.0, le=0.0, description=Unsupported)
     logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=0, description=Unsupported)
@@ -148,8 +155,8 @@ class CompletionRequest(_Sampling):
     prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
-    max_tokens: Integer | None = Field(16, ge=0, le=MAX_INT, description="0 (with echo): only score the prompt")
-    logprobs: Integer | None = Field(None, ge=0, le=5)
+    max_tokens: integer(0, MAX_INT) | None = Field(16, description="0 (with echo): only score the prompt")
+    logprobs: integer(0, 5) | None = None
     # the prompt before the completion in `text`, and with logprobs its tokens' logprobs before the
     # completion's (the first token's null), as vLLM serves them: loglikelihood scoring
     echo: StrictBool = False
@@ -287,10 +294,10 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Integer | None = Field(None, ge=1, le=MAX_INT)
-    max_completion_tokens: Integer | None = Field(None, ge=1, le=MAX_INT)
+    max_tokens: integer(1, MAX_INT) | None = None
+    max_completion_tokens: integer(1, MAX_INT) | None = None
     logprobs: StrictBool = False
-    top_logprobs: Integer | None = Field(None, ge=0, le=20)
+    top_logprobs: integer(0, 20) | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None

@@ -8,12 +8,12 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
@@ -22,8 +22,7 @@ from k3.serve.api.chat_reply import ChatReply
 from k3.serve.api.media import prepare_media
 from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics
-from k3.serve.api.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest,
-                                  ErrorResponse)
+from k3.serve.api.protocol import APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest, ErrorResponse
 from k3.serve.api.tool_calls import ToolCallChecker
 from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
 from k3.serve.sampling import SamplingParams
@@ -263,7 +262,9 @@ async def health(request: Request):
     return {"status": "ok"}
 
 
-@router.get("/metrics")
+# Prometheus' text format: documented as text/plain, not FastAPI's default JSON
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus metrics, in its text exposition format"}})
 async def metrics(request: Request):
     return Response(generate_latest(_ctx(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

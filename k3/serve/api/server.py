@@ -26,7 +26,7 @@ from k3.data.image_processor import ImageProcessor
 from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES, RequestGate
 from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics
-from k3.serve.api.protocol import APIError, ChatTemplateKwargs
+from k3.serve.api.protocol import APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest
 from k3.serve.api.routes import ServingContext, router
 from k3.serve.engine import AsyncEngine
 from k3.text.xtml import XTML
@@ -50,15 +50,41 @@ def chat_template_defaults(kwargs: dict | None) -> ChatTemplateKwargs | None:
         raise ValueError(f"default chat template kwargs: {problems}") from None
 
 
+BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _exact_bounds(published, source) -> None:
+    """Put pydantic's own numeric bounds back into FastAPI's copy of a schema, walking the two side
+    by side: FastAPI's OpenAPI model stores every bound as a float, and 2**63 - 1 (the seed's
+    maximum) comes out as 2**63, a seed the server refuses."""
+    if isinstance(published, dict) and isinstance(source, dict):
+        for key, value in source.items():
+            if key in BOUND_KEYS and isinstance(value, (int, float)) and key in published:
+                published[key] = value
+            elif key in published:
+                _exact_bounds(published[key], value)
+    elif isinstance(published, list) and isinstance(source, list) and len(published) == len(source):
+        for p, s in zip(published, source):
+            _exact_bounds(p, s)
+
+
+def _request_schemas() -> dict[str, dict]:
+    """The request bodies' component schemas as pydantic writes them (exact bounds)."""
+    out = {}
+    for model in (CompletionRequest, ChatCompletionRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}), **{model.__name__: schema})
+    return out
+
+
 def _field_path(body, loc) -> list:
     """A validation error's location in the request body: pydantic's union-branch tags ("str", a
     discriminator's value) dropped, keeping each step the body has (and a missing field's name)."""
     path, node = [], body
     steps = list(loc[1:]) if loc and loc[0] == "body" else list(loc)
     for i, step in enumerate(steps):
-        if isinstance(node, dict) and step in node:
-            node = node[step]
-        elif isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node):
+        if (isinstance(node, dict) and step in node) or (
+                isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node)):
             node = node[step]
         elif not isinstance(node, (dict, list)):
             break  # the error is at this value (the model's steps past it are the value's expected shape)
@@ -130,6 +156,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
             components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
+            for name, source in _request_schemas().items():
+                if name in components:
+                    _exact_bounds(components[name], source)
             for name in ("CompletionRequest", "ChatCompletionRequest"):  # the one model served (else 404)
                 components[name]["properties"]["model"]["enum"] = [model_name]
             app.openapi_schema = schema
@@ -158,7 +187,7 @@ class ServerThread:
                                                     backlog=1024))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:  # noqa: PYI034 (typing.Self is Python 3.11+)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
