@@ -1,8 +1,10 @@
 """Run folders: a `k3 train` run keeps complete checkpoints as `checkpoints/step_{N:07d}/`; every
-verb that takes a checkpoint also takes a run folder and reads its latest complete one."""
+verb that takes a checkpoint also takes a run folder and reads its latest complete one. A folder
+that is there but cannot be read (permissions) is reported as unreadable, never as missing."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -11,8 +13,25 @@ from k3.atomic import write_text_atomic
 STEP_DIR = re.compile(r"^step_(\d{7})$")
 
 
+class CheckpointUnreadableError(ValueError):
+    """A checkpoint or run folder that is there but cannot be read: not a missing one."""
+
+
+def check_readable(folder: str | Path) -> None:
+    """CheckpointUnreadableError where `folder` exists but cannot be listed or entered: Path.is_file
+    and is_dir on what is inside would call it missing (Python >= 3.13) or raise PermissionError."""
+    try:
+        os.listdir(folder)
+        os.stat(os.path.join(folder, "."))  # entering it needs search permission, listing it does not
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there (or a file): the caller says what is missing
+    except OSError as e:
+        raise CheckpointUnreadableError(f"{folder} is unreadable ({e.strerror or e})") from None
+
+
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoints, oldest first (temp folders never match)."""
+    check_readable(ckpt_root)
     if not ckpt_root.is_dir():
         return []
     return sorted(p for p in ckpt_root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
@@ -20,12 +39,15 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     found = list_checkpoints(ckpt_root)
+    if found:
+        check_readable(found[-1])  # its files would read as missing
     return found[-1] if found else None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder itself, or the latest complete checkpoint of a `k3 train` run folder."""
     path = Path(path)
+    check_readable(path)
     if (path / "config.json").is_file():
         return path
     found = latest_checkpoint(path / "checkpoints")
@@ -58,6 +80,7 @@ def pin(pins: dict[str, str], key: str, source: str | Path) -> Path:
     """The checkpoint pinned under `key`, else `source` resolved (and pinned in `pins`)."""
     if key in pins:
         path = Path(pins[key])
+        check_readable(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"the {key} checkpoint this run started from, {path}, is gone "
                                     "(its run pruned it?): resuming would read other weights")

@@ -6,6 +6,8 @@ documents, k3/train/packing.py). Sources:
 - a `.txt` (or any non-JSONL) file: one document per file;
 - a `.jsonl` file: one document per line, from its `text` field;
 - a folder: every `*.txt` and `*.jsonl` file under it, recursively, in sorted order.
+A file or folder that cannot be read (permissions) is a DataError that says so, never "does not
+exist" or "empty corpus".
 A corpus of a single document (one plain text file) is cut into `SINGLE_DOC_PIECES` pieces at
 paragraph breaks, so that a split by document still exists.
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import lzma
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,14 +62,45 @@ def _read_jsonl(path: Path, opener=open, label: str | None = None, key_by_id: bo
     return docs
 
 
+def _unreadable(path, e: OSError) -> DataError:
+    return DataError(f"{path}: cannot read ({e.strerror or e})")
+
+
 def _read_file(path: Path, root: Path) -> list[Document]:
     rel = str(path.relative_to(root)) if path != root else path.name
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path, label=rel)
     try:
+        if path.suffix == ".jsonl":
+            return _read_jsonl(path, label=rel)
         return [Document(rel, path.read_text(encoding="utf-8"))]
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """path.stat(), None where nothing is there. A path that cannot be looked at (a folder above it
+    unreadable) is a DataError: Path.exists and is_file would call it missing or raise."""
+    try:
+        return path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _corpus_files(root: Path) -> list[Path]:
+    """Every *.txt and *.jsonl file under `root`, sorted. os.walk with an error handler, not rglob,
+    which skips a folder it cannot list: an unreadable folder would read as an empty corpus."""
+    def unreadable(e: OSError):
+        raise _unreadable(e.filename, e)
+
+    found = (Path(folder, name) for folder, _, names in os.walk(root, onerror=unreadable) for name in names)
+    return sorted(p for p in found if p.suffix in (".txt", ".jsonl") and _is_regular(_stat(p)))
+
+
+def _is_regular(st: os.stat_result | None) -> bool:
+    return st is not None and stat.S_ISREG(st.st_mode)
 
 
 def _split_paragraphs(doc: Document, pieces: int) -> list[Document]:
@@ -93,11 +128,12 @@ def load_documents(source: str | Path | None = None) -> list[Document]:
         where = f"the bundled corpus {BUNDLED}"
     else:
         path = Path(source)
-        if not path.exists():
+        found = _stat(path)
+        if found is None:
             raise DataError(f"data path {str(source)!r} does not exist")
         where = str(path)
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl"))
+        if stat.S_ISDIR(found.st_mode):
+            files = _corpus_files(path)
             if not files:
                 raise DataError(f"empty corpus: no *.txt or *.jsonl files under {path}")
             docs = [d for f in files for d in _read_file(f, path)]

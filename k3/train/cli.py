@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from k3.checkpoint.run_folder import latest_checkpoint
+from k3.checkpoint.run_folder import CheckpointUnreadableError, check_readable, latest_checkpoint
 from k3.checkpoint.training_state import CheckpointSaveError, ResumeStateError
 from k3.config import ConfigError
 from k3.data.corpus import DataError
@@ -138,7 +138,8 @@ def interrupt_advice(run_dir, ckpt_every: int, verb: str = "train") -> str:
 
 def train_verb(verb: str, args, trainer_class, settings, errors: tuple) -> tuple | int:
     """The life of a training verb: build or resume the trainer, train, close. Returns (trainer,
-    result), or the exit code: 2 for the `errors` (one line), 130 on Ctrl-C, 1 when a save fails."""
+    result), or the exit code: 2 for the `errors` and an unreadable run or checkpoint folder (one
+    line), 130 on Ctrl-C, 1 when a save fails."""
     try:
         if args.resume:
             # every flag of a training verb defaults to None (store_false ones too), so anything else was given
@@ -147,10 +148,11 @@ def train_verb(verb: str, args, trainer_class, settings, errors: tuple) -> tuple
                      if v is not None and k not in ("resume", "no_progress")]
             if given:
                 raise TrainError(f"--resume continues a run with its saved settings; drop {' '.join(given)}")
+            check_readable(args.resume)  # else reported as a folder without a run file
             trainer = trainer_class.from_run(args.resume, progress=not args.no_progress)
         else:
             trainer = trainer_class(settings(args), progress=not args.no_progress)
-    except errors as e:
+    except (*errors, CheckpointUnreadableError) as e:
         print(f"k3 {verb}: error: {e}", file=sys.stderr)
         return 2
     try:
