@@ -20,6 +20,7 @@ FORBIDDEN = {
     ("k3.model", "k3.serve"): "model code is single-device math with no serving types",
     ("k3.model", "k3.train"): "model code knows nothing of training",
     ("k3.model", "k3.checkpoint"): "model code has no file I/O",
+    ("k3.serve", "k3.data"): "serving reads no corpora; the media processors it shares live in k3.media",
     ("k3.rl", "k3.sft"): "RL and SFT are peers: the task world they share is k3.tasks",
     ("k3.tasks", "k3.sft"): "the task world serves SFT and RL, and imports neither",
     ("k3.tasks", "k3.rl"): "the task world serves SFT and RL, and imports neither",

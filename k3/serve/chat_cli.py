@@ -73,7 +73,7 @@ class ReplyPrinter:
 
 
 def run(args) -> int:
-    from k3.data.image_processor import ImageProcessor
+    from k3.media.image_processor import ImageProcessor
     from k3.serve.api.images import ImageError, PreparedImages, image_part_from_file, prepare_image
     from k3.serve.api.videos import clip_parts, prepare_video, video_part_from_file
     from k3.serve.loading import load_for_serving, run_chat_defaults

@@ -99,7 +99,7 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass
 class ImageInput:
-    """One image of a prompt, processed (k3.data.image_processor): its patches and grid, where its
+    """One image of a prompt, processed (k3.media.image_processor): its patches and grid, where its
     placeholder run starts in the prompt, and a hash of its pixels (the prefix-cache key)."""
     offset: int
     pixel_values: torch.Tensor  # [L, 3, P, P]

@@ -32,7 +32,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from k3.data import shapes_corpus as corpus
-from k3.data.image_processor import ImageProcessor
+from k3.media.image_processor import ImageProcessor
 from k3.text.tokenizer import MIN_VOCAB_SIZE, SPECIAL_TOKENS, train_tokenizer
 from k3.text.xtml import IMAGE_PLACEHOLDER_TEXT, XTML, Rendered
 from k3.train.packing import IGNORE_INDEX, TokenStream, window

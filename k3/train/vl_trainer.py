@@ -40,8 +40,8 @@ from k3.atomic import write_atomic
 from k3.config import ConfigError
 from k3.data import shapes_corpus as corpus
 from k3.data.corpus import load_documents, split_documents
-from k3.data.image_processor import ImageProcessor
 from k3.generation.generate import generate
+from k3.media.image_processor import ImageProcessor
 from k3.model.cache import K3Cache
 from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
 from k3.model.params import count_parameters, count_vision_parameters

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from k3.data import shapes_corpus as sc
-from k3.data.image_processor import ImageProcessor
+from k3.media.image_processor import ImageProcessor
 from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 
 

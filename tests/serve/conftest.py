@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3.data.image_processor import ImageProcessor
+from k3.media.image_processor import ImageProcessor
 from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
 from k3.text.tokenizer import train_tokenizer

@@ -18,8 +18,8 @@ from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
 from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
-from k3.text.xtml import XTML
 from k3.text.tokenizer import train_tokenizer
+from k3.text.xtml import XTML
 from tests.serve.fakes import ScriptedModel, one_torch_thread, scripted_chat_model  # noqa: F401 (autouse fixture)
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is the weather in Paris today?",

@@ -18,7 +18,7 @@ from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
 from k3.serve.sampling import MAX_STOP_CHARS, SamplingParams
 from k3.text.tokenizer import train_tokenizer
-from tests.serve.fakes import PoisonModel, scripted_chat_model, one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.serve.fakes import PoisonModel, one_torch_thread, scripted_chat_model  # noqa: F401 (autouse fixture)
 
 KEY = "hostile-key"
 SMALL_LIMIT = 64 << 10

@@ -133,8 +133,8 @@ def test_image_command_attaches_a_picture_to_the_next_message(tmp_path, capsys, 
     finds it in the prefix cache. A text model says it has no vision tower."""
 
     from k3.checkpoint.multimodal import save_pretrained_multimodal
-    from k3.data.image_processor import ImageProcessor
-    from tests.data.test_video import gif_bytes
+    from k3.media.image_processor import ImageProcessor
+    from tests.media.test_video import gif_bytes
     from tests.model.vision.test_multimodal import tiny_multimodal
     from tests.serve.conftest import CORPUS, PLACEHOLDER, VOCAB
     from tests.serve.test_images import picture

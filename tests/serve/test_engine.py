@@ -24,8 +24,8 @@ from k3.serve.decode_graph import _restore, _snapshot
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.runner import STEP_KINDS
 from k3.serve.sampling import SamplingParams
-from k3.text.xtml import XTML
 from k3.text.tokenizer import train_tokenizer
+from k3.text.xtml import XTML
 from tests.helpers import recompile_limit_hits
 from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
 

@@ -12,7 +12,7 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 from k3.serve.api.server import ServerThread, build_app
 from k3.serve.engine import AsyncEngine, EngineConfig, LLMEngine
 from k3.text.tokenizer import train_tokenizer
-from tests.serve.fakes import scripted_chat_model, one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.serve.fakes import one_torch_thread, scripted_chat_model  # noqa: F401 (autouse fixture)
 
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}  # per operation: seconds in all
 

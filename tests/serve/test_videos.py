@@ -10,10 +10,10 @@ import base64
 import pytest
 import torch
 
-from k3.data.video import decode_video
+from k3.media.video import decode_video
 from k3.serve.api.media import prepare_media
 from k3.text.xtml import XTML
-from tests.data.test_video import gif_bytes, mp4_bytes
+from tests.media.test_video import gif_bytes, mp4_bytes
 from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.serve.test_images import bad_request, client
 
@@ -94,7 +94,7 @@ def test_bad_videos_get_a_400_naming_the_part(server, url, message):
 def test_frames_are_shrunk_as_decoded_to_what_the_processor_makes_of_them():
     """A video's kept frames are resized right after decoding (memory: never 256 full frames), and
     the tower input equals the processor's on the full-size frames."""
-    from k3.data.image_processor import ImageProcessor
+    from k3.media.image_processor import ImageProcessor
     from k3.serve.api.videos import prepare_video
 
     processor = ImageProcessor(max_patches_per_frame=64, max_pixels=400 * 400, sample_fps=None)
@@ -112,8 +112,8 @@ def test_frames_are_shrunk_as_decoded_to_what_the_processor_makes_of_them():
 
 
 def test_a_video_over_the_model_length_is_refused_before_its_frames_are_kept(monkeypatch):
-    import k3.data.video as video
-    from k3.data.image_processor import ImageProcessor
+    import k3.media.video as video
+    from k3.media.image_processor import ImageProcessor
     from k3.serve.api.images import ImageError
     from k3.serve.api.videos import prepare_video
 

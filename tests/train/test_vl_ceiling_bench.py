@@ -9,7 +9,7 @@ import torch
 
 from bench.vl_ceiling import CODES, DIGITS, EMPTY, SHAPES, FactFeatures, cell_codes, fact_table
 from k3.data import shapes_corpus as corpus
-from k3.data.image_processor import ImageProcessor
+from k3.media.image_processor import ImageProcessor
 from k3.train.vl_config import load_vl_config
 
 

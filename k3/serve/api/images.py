@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageOps
 
-from k3.data.image_processor import ImageProcessor
+from k3.media.image_processor import ImageProcessor
 from k3.serve.api.media_fetch import FetchError, FetchPolicy, fetch
 
 # data: URI media types we decode, with the format the bytes must then be

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from k3.data.image_processor import ImageProcessor
+from k3.media.image_processor import ImageProcessor
 from k3.serve.api.images import ImageError, PreparedImages, prepare_image
 from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.videos import clip_parts, prepare_video

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
-from k3.data.image_processor import ImageProcessor
+from k3.media.image_processor import ImageProcessor
 from k3.serve.api.chat_reply import ChatReply
 from k3.serve.api.media import prepare_media
 from k3.serve.api.media_fetch import FetchPolicy

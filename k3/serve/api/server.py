@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
-from k3.data.image_processor import ImageProcessor
+from k3.media.image_processor import ImageProcessor
 from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES, RequestGate
 from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics

@@ -1,5 +1,5 @@
 """Videos in chat requests: `video_url` content parts (vLLM's form), decoded and sampled at the
-processor's `sample_fps` (k3.data.video), then one tower input per clip of
+processor's `sample_fps` (k3.media.video), then one tower input per clip of
 `temporal_merge_kernel_size` frames, each prompted by its start time (docs/SERVING.md "Videos").
 
 Accepted: `data:` URIs of video/mp4, video/webm, video/quicktime, video/x-matroska (these need
@@ -12,8 +12,8 @@ import base64
 import math
 from pathlib import Path
 
-from k3.data.image_processor import ImageProcessor, ResizePlan
-from k3.data.video import VideoError, decode_video
+from k3.media.image_processor import ImageProcessor, ResizePlan
+from k3.media.video import VideoError, decode_video
 from k3.serve.api.images import ImageError, PreparedImages, process_one, read_media_file, url_bytes
 from k3.serve.api.media_fetch import FetchPolicy
 
@@ -24,7 +24,7 @@ MAX_VIDEO_BYTES = 64 << 20
 SUFFIX_TYPES = {".mp4": "video/mp4", ".m4v": "video/mp4", ".webm": "video/webm", ".mov": "video/quicktime",
                 ".mkv": "video/x-matroska", ".gif": "image/gif", ".webp": "image/webp", ".png": "image/png",
                 ".apng": "image/apng"}
-# the demuxer each declared container type names (k3.data.video: PyAV never probes)
+# the demuxer each declared container type names (k3.media.video: PyAV never probes)
 AV_FORMAT_OF = {"video/mp4": "mov", "video/quicktime": "mov", "video/webm": "matroska", "video/x-matroska": "matroska"}
 DEFAULT_MAX_FRAMES = 256  # sampled frames a video (64 clips); K3's max_num_frames_each_video is not published
 

@@ -9,7 +9,7 @@ Sources. K3's checkpoint ships its own processor (`KimiK3VisionProcessor`, remot
 moonshotai/Kimi-K3's `preprocessor_config.json`), read here through public ports: vLLM's Kimi-K3
 multimodal processor, rtp-llm's vendored K3 image processor, mlxcel's Rust port and its tests;
 Kimi-K2.5's `media_utils.py` and transformers 5.24's `kimi_k25` image/video processors share the
-resize rule and the patch layout (tests/data/test_image_processor.py checks ours against the
+resize rule and the patch layout (tests/media/test_image_processor.py checks ours against the
 latter). What K3 does, and we do:
 - Resize ("navit"): scale = min(1, sqrt(budget / (max(1, W // P) * max(1, H // P))),
   side * P / W, side * P / H); new size = max(1, int(W * scale)) x max(1, int(H * scale)), each
@@ -45,7 +45,7 @@ Where we differ from the official processor, each switchable:
   square the side limit describes), videos whose per-frame budget would fall under `min_patches`
   or (when set) longer than `max_frames`, zero-size images, empty videos, frames of differing
   sizes, modes outside `READABLE_MODES` (16/32-bit, float, LAB, HSV); non-PIL input: `TypeError`.
-Frame sampling (the official `sample_fps`) is k3.data.video's: a video here is the frames to encode.
+Frame sampling (the official `sample_fps`) is k3.media.video's: a video here is the frames to encode.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ class ImageProcessor:
         self.fill_stage = fill_stage
         self.strict_budget = strict_budget
         self.pad_last_clip = pad_last_clip
-        self.sample_fps = sample_fps  # read by k3.data.video, which samples a video's frames
+        self.sample_fps = sample_fps  # read by k3.media.video, which samples a video's frames
 
     @classmethod
     def from_media_proc_cfg(cls, cfg: dict, **overrides) -> ImageProcessor:

@@ -1,4 +1,4 @@
-"""The image/video processor (k3/data/image_processor.py): resize sizes and patch layout against
+"""The image/video processor (k3/media/image_processor.py): resize sizes and patch layout against
 transformers 5.24's Kimi-K2.5 processors (same rule and layout as K3's), K3's own sizes as public
 ports of its processor report them, pixels by hand, the budget, clips, and the errors.
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from k3.data.image_processor import K3_MEDIA_PROC_CFG, ImageProcessor
+from k3.media.image_processor import K3_MEDIA_PROC_CFG, ImageProcessor
 from k3.model.vision.merge import merged_counts
 from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 

@@ -1,4 +1,4 @@
-"""Video decoding and the official frame sampling (k3.data.video): the sampled frame numbers and
+"""Video decoding and the official frame sampling (k3.media.video): the sampled frame numbers and
 timestamps equal the official formulas (Kimi-K2.5's `split_video_chunks` / `timestamp_as_str`,
 transcribed here with numpy and datetime), animated GIFs decode with Pillow, MP4 with PyAV, and
 every bad or oversized video is one VideoError line."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from k3.data.video import VideoError, decode_video, sample_indices, timestamp_text
+from k3.media.video import VideoError, decode_video, sample_indices, timestamp_text
 
 
 def official_indices(n: int, fps: float, sample_fps: float, max_frames: int | None) -> list[int]:
