@@ -19,6 +19,7 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from k3.atomic import write_atomic, write_text_atomic
+from k3.text.tiktoken_folder import TIKTOKEN_FILE, load_tiktoken_folder
 
 SPECIAL_TOKENS = {
     "bos": "<|bos|>",
@@ -88,8 +89,14 @@ def save_tokenizer(tok: Tokenizer, directory: str | Path, *, chat_template: str 
 
 
 def load_tokenizer(directory_or_file: str | Path) -> Tokenizer:
+    """A folder's tokenizer.json, or the tiktoken.model a Kimi release ships in its place
+    (k3/text/tiktoken_folder.py), or a tokenizer.json file."""
     path = Path(directory_or_file)
     if path.is_dir():
+        if not (path / TOKENIZER_FILE).is_file() and (path / TIKTOKEN_FILE).is_file():
+            return load_tiktoken_folder(path)
+        if not (path / TOKENIZER_FILE).is_file():
+            raise FileNotFoundError(f"no {TOKENIZER_FILE} or {TIKTOKEN_FILE} in {path}")
         path = path / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} at {path}")
