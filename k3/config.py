@@ -4,7 +4,7 @@ Reads and writes the published config.json of `moonshotai/Kimi-K3` (top level `k
 `text_config`) and of `moonshotai/Kimi-Linear-48B-A3B` (flat `kimi_linear`). Writing back is
 lossless: keys we do not model are kept verbatim, keys that were absent stay absent (absence has
 meaning: no `gate_lower_bound` = softplus gate, no `attn_res_block_size` = plain residual;
-SPEC §1). Layer lists in `linear_attn_config` are 1-INDEXED, as published.
+DESIGN §1). Layer lists in `linear_attn_config` are 1-INDEXED, as published.
 
 Kimi-Linear configs come in two dialects: the official one (`linear_attn_config`, as published)
 and transformers' native one (what `KimiLinearConfig(layer_types=...)` writes: per-layer
@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3 import configs
 from k3.atomic import write_text_atomic
 
 # Keys of `linear_attn_config` we model, mapped to our flat field names.
@@ -131,7 +133,7 @@ class K3Config:
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
-    # --- our runtime choices (SPEC-style modes as config fields, not magic switches)
+    # --- our runtime choices (modes as config fields, not magic switches)
     # "naive" | "absorb" (absorbed attention over the latent cache) | "auto": absorbed for one-token
     # queries (decode), naive otherwise (k3/model/mla.py)
     mla_impl: str = "auto"
@@ -154,7 +156,7 @@ class K3Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_mla_layer(self, idx: int) -> bool:
-        """idx is 0-based; the published lists are 1-based (SPEC §2)."""
+        """idx is 0-based; the published lists are 1-based (DESIGN §2)."""
         return (idx + 1) in self.full_attn_layers
 
     def is_moe_layer(self, idx: int) -> bool:
@@ -180,7 +182,7 @@ class K3Config:
 
     @property
     def checkpoint_prefix(self) -> str:
-        """Official tensor-name prefix of the text model (SPEC §1, §10)."""
+        """Official tensor-name prefix of the text model (DESIGN §1, §10)."""
         return "language_model." if self.wrapper_model_type == "kimi_k3" else ""
 
     # ----------------------------------------------------------------- validation
@@ -210,7 +212,7 @@ class K3Config:
         need(len(self.kda_layers) + len(self.full_attn_layers) == n, "linear_attn_config", "duplicate layer indices")
         if self.gate_lower_bound is not None:
             need(-5.0 <= self.gate_lower_bound < 0.0, "gate_lower_bound",
-                 f"must lie in [-5, 0) (the chunked kernels' tile-range guarantee, SPEC §3), got {self.gate_lower_bound}")
+                 f"must lie in [-5, 0) (the chunked kernels' tile-range bound, DESIGN §3), got {self.gate_lower_bound}")
         need(self.short_conv_kernel_size >= 1, "short_conv_kernel_size", "must be >= 1")
         need(self.hidden_act in ("situ", "silu"), "hidden_act", f"must be 'situ' or 'silu', got {self.hidden_act!r}")
         if self.attn_res_block_size is not None:
@@ -235,7 +237,7 @@ class K3Config:
 
     # ----------------------------------------------------------------- JSON I/O
     @classmethod
-    def from_dict(cls, d: dict) -> "K3Config":
+    def from_dict(cls, d: dict) -> K3Config:
         d = copy.deepcopy(d)
         wrapper = None
         if "text_config" in d:  # kimi_k3: multimodal wrapper around a kimi_linear text config
@@ -256,7 +258,7 @@ class K3Config:
             elif key in known and key not in _LINEAR_ATTN_KEYS.values():
                 kwargs[key] = value
         kwargs.update(_read_native(text))
-        # Absence has meaning for these (SPEC §1 table: "absent" column).
+        # Absence has meaning for these (DESIGN §1 table: "absent" column).
         for key, absent_value in _ABSENT_MEANS_DEFAULT.items():
             la = text.get("linear_attn_config", {})
             present = key in text or key in la
@@ -267,7 +269,7 @@ class K3Config:
         return cfg
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "K3Config":
+    def from_json(cls, path: str | Path) -> K3Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -325,7 +327,7 @@ class K3Config:
         directory.mkdir(parents=True, exist_ok=True)
         return write_text_atomic(directory / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
 
-    def replace(self, **changes) -> "K3Config":
+    def replace(self, **changes) -> K3Config:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -430,7 +432,7 @@ def _write_native(cfg: K3Config, text: dict) -> None:
 
 
 def default_full_attn_layers(num_layers: int) -> list[int]:
-    """K3's schedule (SPEC §2): MLA every 4th layer (1-indexed 4, 8, ...) plus the final layer."""
+    """K3's schedule (DESIGN §2): MLA every 4th layer (1-indexed 4, 8, ...) plus the final layer."""
     layers = list(range(4, num_layers + 1, 4))
     if num_layers not in layers:
         layers.append(num_layers)
@@ -438,50 +440,19 @@ def default_full_attn_layers(num_layers: int) -> list[int]:
 
 
 # --------------------------------------------------------------------- presets
-def _preset_k3() -> K3Config:
-    """The official Kimi K3 text model (SPEC §1); equal to the published config's fields."""
-    return K3Config()
+def preset_config(name: str) -> K3Config:
+    """Text preset `name` (k3/configs/<name>.json) as a model, not a file: written out whole, as a
+    config built in code is (a checkpoint's config.json has its own token ids in both places)."""
+    cfg = K3Config.from_dict(configs.read_preset(name))
+    return dataclasses.replace(cfg, _text_source=None, _wrapper_source=None)
 
 
-def _preset_k3_tiny() -> K3Config:
-    """A few million parameters; trains on a 2-core CPU in minutes. Keeps K3's structure:
-    3:1 KDA:MLA with a final MLA, dense layer 0, AttnRes blocks, latent MoE at d/2, SiTU."""
-    return K3Config(
-        vocab_size=4096, hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=384, attn_res_block_size=2,
-        kda_head_dim=32, kda_num_heads=4,
-        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        num_experts=16, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=96,
-        routed_expert_hidden_size=64, max_position_embeddings=65536,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2)
-
-
-def _preset_k3_1b() -> K3Config:
-    """~1.4B total / ~0.3B active, for one GPU: K3's ratios at d=1024 (top-k/E = 2/128 ~ K3's 16/896)."""
-    return K3Config(
-        vocab_size=32768, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=8,
-        intermediate_size=4864, attn_res_block_size=4,
-        kda_head_dim=128, kda_num_heads=8,
-        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        num_experts=128, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=256,
-        routed_expert_hidden_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-
-
-def _preset_k3_slice() -> K3Config:
-    """K3's widths on one GPU (the GPU benchmarks' shape): every per-layer shape of the official
-    config (hidden 7168, 96 KDA and MLA heads, q/kv LoRA, latent MoE 3584 -> 3072, SiTU, 2 shared
-    experts, dense layer 0) with 4 layers (3 KDA, then the final MLA, in two AttnRes blocks of
-    2), 16 routed experts, top-8, and a 32K vocabulary. Per token, a KDA, MLA or dense layer
-    costs what K3's does; a MoE layer half (8 routed experts of K3's 16)."""
-    return K3Config(num_hidden_layers=4, attn_res_block_size=2, num_experts=16, num_experts_per_token=8,
-                    vocab_size=32768, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-
-
-PRESETS = {"k3": _preset_k3, "k3-tiny": _preset_k3_tiny, "k3-1b": _preset_k3_1b, "k3-slice": _preset_k3_slice}
+# name -> the preset's K3Config (a fresh one per call)
+PRESETS = {name: functools.partial(preset_config, name) for name in configs.preset_names()}
 
 
 def load_config(name_or_path: str | Path) -> K3Config:
-    """A preset name (k3, k3-tiny, k3-1b), a config.json path, or a directory holding one."""
+    """A preset name (k3, k3-tiny, k3-1b, k3-slice: k3/configs/), a config.json path, or a directory holding one."""
     if str(name_or_path) in PRESETS:
         return PRESETS[str(name_or_path)]()
     path = Path(name_or_path)

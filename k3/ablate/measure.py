@@ -1,9 +1,9 @@
 """What an ablation records about one finished run, beyond its final validation bits per byte.
 
 - val_bpb_4x: held-out bits per byte on windows 4x the training length (the same tokens, fewer
-  windows): how a mixer layout extrapolates in length (NoPE MLA, KDA's recurrent state, SPEC §3-4).
+  windows): how a mixer layout extrapolates in length (NoPE MLA, KDA's recurrent state, DESIGN §3-4).
 - max_act: the largest |GLU output| over the held-out windows, over every FFN (dense, shared and
-  routed experts): what SiTU-GLU bounds (SPEC §6).
+  routed experts): what SiTU-GLU bounds (DESIGN §6).
 - loss_spikes: training steps whose loss exceeds SPIKE_RATIO x the median of the previous SPIKE_WINDOW.
 - load_mean / load_final: the max/mean expert load (the worst MoE layer, as the trainer records it)
   averaged over all steps / over the last 10% of steps.

@@ -1,6 +1,6 @@
 """The built-in ablation studies and scales, and how each study matches its variants' budgets.
 
-A study is a baseline (K3's choice, seeds §4) and the common alternatives, each a `Variant`: K3Config
+A study is a baseline (K3's choice, DESIGN §2-§9) and the common alternatives, each a `Variant`: K3Config
 overrides plus TrainSettings changes. Every variant of a study trains on the same data, the same
 tokens per step and the same number of steps, with the same schedule. Where a variant changes the
 parameter count, the study names the config fields (`knobs`) that are solved so that its total and

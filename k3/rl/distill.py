@@ -1,4 +1,4 @@
-"""`k3 distill`: Multi-Teacher On-Policy Distillation (MOPD, seeds §6.1.3) of RL experts into one student.
+"""`k3 distill`: Multi-Teacher On-Policy Distillation (MOPD, DESIGN §13.3) of RL experts into one student.
 
 Each iteration the student samples its own episodes for every teacher's (domain, effort): `prompts`
 training prompts of that teacher's domain, rendered at its effort level, K samples each, through the
@@ -23,6 +23,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -38,15 +39,21 @@ from k3.tasks.domains import Task, make_domain
 from k3.text.tokenizer import load_tokenizer
 from k3.train.errors import TrainError
 from k3.train.packing import windows_for_step
+from k3.train.settings import settings
 from k3.train.trainer import RUN_FILE
 
 
-@dataclass
+@settings
 class DistillSettings(RolloutSettings):
     """Everything that defines a distillation run (saved as run.json; `--resume` reads it back).
-    `init` is the student's start (an SFT run), `prompts` are per teacher and iteration."""
-    prompts: int = 2
-    samples: int = 4
+    `init` is the student's start (an SFT run), `prompts` and `pool` are per teacher."""
+    DEFAULTS: ClassVar[dict] = {"prompts": 2, "samples": 4}
+    HELP: ClassVar[dict] = {
+        "init": "the student starts from this run (a `k3 sft` run)",
+        "out": "run folder (default runs/distill-<timestamp>)",
+        "prompts": "new prompts per teacher and iteration, N",
+        "pool": "training prompts per teacher, cycled",
+    }
     teachers: list = field(default_factory=list)  # `k3 rl` run folders, one per (domain, effort)
 
 

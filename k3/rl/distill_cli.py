@@ -3,22 +3,17 @@ from __future__ import annotations
 
 import argparse
 
-from k3.rl.cli import add_rl_arguments, run_verb
+from k3.rl.cli import run_verb
 from k3.rl.distill import DistillSettings, DistillTrainer
+from k3.train.settings import add_settings_arguments
 
 _DEFAULTS = DistillSettings()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = _DEFAULTS
-    start = p.add_mutually_exclusive_group()
-    start.add_argument("--run", dest="init_run", metavar="RUN_DIR", help="the student starts from this run (a `k3 sft` run)")
-    start.add_argument("--model", dest="init_model", metavar="CHECKPOINT_DIR", help="the student starts from this checkpoint")
-    start.add_argument("--resume", metavar="DISTILL_RUN_DIR", help="continue a distillation run from its latest checkpoint")
+    add_settings_arguments(p, DistillSettings, resume="DISTILL_RUN_DIR")
     p.add_argument("--teachers", nargs="+", metavar="RL_RUN_DIR",
                    help="`k3 rl` runs, one per (domain, effort); each scores the student's tokens on its own prompts")
-    p.add_argument("--pool", type=int, help=f"training prompts per teacher, cycled (default {d.pool})")
-    add_rl_arguments(p, d)
 
 
 def run(args) -> int:

@@ -1,5 +1,5 @@
 """`k3 rl`: one RL expert (a domain at an effort level) by group-relative policy gradient, with
-partial rollout and effort budgets (seeds §6.1.2), on the pretraining Trainer's machinery.
+partial rollout and effort budgets (DESIGN §13.2), on the pretraining Trainer's machinery.
 
 One iteration = one optimizer step:
 1. Rollout (k3/rl/rollout.py, the serving engine in process over the trainer's own model, QAT
@@ -36,8 +36,9 @@ import dataclasses
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -45,7 +46,6 @@ from k3.checkpoint.files import CheckpointError, read_json
 from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import latest_checkpoint, pin, read_pins, write_pins
 from k3.config import K3Config
-from k3.generation.generate import MAX_TEMPERATURE
 from k3.model.transformer import K3ForCausalLM
 from k3.rl.effort import (
     EFFORTS,
@@ -68,13 +68,23 @@ from k3.rl.objective import (
     trained_tokens,
 )
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
+from k3.sampling import MAX_TEMPERATURE
 from k3.serve.engine import EngineConfig
 from k3.tasks.domains import DOMAIN_CLASSES, Task, make_domain, needs_another_turn
 from k3.train.chat_start import load_chat_start
 from k3.train.errors import TrainError
 from k3.train.muon import OPTIMIZERS
 from k3.train.packing import windows_for_step
-from k3.train.trainer import BALANCE_RULES, Trainer, validate_update
+from k3.train.settings import (
+    BALANCE_RULES,
+    CheckpointSettings,
+    OptimizerSettings,
+    RunSettings,
+    StartSettings,
+    option,
+    settings,
+)
+from k3.train.trainer import Trainer, validate_update
 
 BUDGETS_FILE = "budgets.json"
 HELDOUT_FILE = "heldout.jsonl"
@@ -82,43 +92,50 @@ TRAIN_ROW_TOKENS = 8192  # tokens per packed training forward (micro-batch)
 BUDGET_BATCH = 128  # episodes per rollout call when measuring cold-start budgets (the engine queues)
 
 
-@dataclass
-class RolloutSettings:
-    """What `k3 rl` and `k3 distill` runs share (each verb's settings add their own)."""
-    init: str = ""  # an SFT (or RL) run folder, its latest checkpoint, or a checkpoint folder
-    out: str | None = None  # run folder; None: runs/<verb>-...-<timestamp>
-    steps: int = 40  # iterations, one optimizer step each
-    prompts: int = 8  # N: new prompts per iteration
-    samples: int = 8  # K: completions per prompt (the advantage group)
-    stop_fraction: float = 1.0  # lambda: pause the rollout once this share of those in flight has finished
-    temperature: float = 1.0
-    max_tokens: int = 160  # per assistant turn: a tool turn (think + call) runs ~100-130 tokens
-    pool: int = 128  # training prompts, cycled (each has a cold-start budget)
-    heldout: int = 64  # held-out prompts evaluated (greedy)
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    lr: float = 1e-4  # 5e-4 under Per-Head Muon lowered held-out accuracy (LOG "RL and distillation")
-    min_lr_ratio: float = 1.0  # constant after warmup
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    optimizer: str = "per-head-muon"
-    balance: str = "quantile"
-    qat: bool = False
-    batch_invariant: bool = False  # rollout and trainer in k3.ops.batch_invariant's arithmetic (CPU)
-    share_prompts: bool = True  # shared prompts run once in the trainer (k3/rl/shared_prompts.py; not under compile)
-    compile: bool = False
-    eval_every: int = 10
-    ckpt_every: int = 10
-    keep: int = 2
-    keep_all_state: bool = False
-    seed: int = 0
-    device: str = "cpu"
-    cache_dir: str | None = None
+@settings
+class RolloutSettings(CheckpointSettings, OptimizerSettings, RunSettings, StartSettings):
+    """What `k3 rl` and `k3 distill` runs share (each verb's settings add their own); the fields every
+    training verb shares are declared in k3/train/settings.py, DEFAULTS holds these verbs' values.
+    Its own fields are the rollout and objective section: flags in one group of both verbs."""
+    TITLE = "rollout and objective"
+    DEFAULTS: ClassVar[dict] = {
+        "steps": 40, "eval_every": 10,
+        "lr": 1e-4,  # 5e-4 under Per-Head Muon lowered held-out accuracy (LOG "RL and distillation")
+        "min_lr_ratio": 1.0,  # constant after warmup
+        "weight_decay": 0.0, "ckpt_every": 10, "keep": 2}
+    HELP: ClassVar[dict] = {
+        "steps": "iterations, one optimizer step each",
+        "eval_every": "iterations between held-out evals",
+        "min_lr_ratio": "the learning rate the cosine decays to, as a share of the peak (default {default}: "
+                        "constant after warmup)",
+    }
+    prompts: int = option(8, "new prompts per iteration, N")
+    samples: int = option(8, "completions per prompt, K")  # RL: the advantage group
+    # lambda: pause the rollout once this share of those in flight has finished
+    stop_fraction: float = option(1.0, "partial rollout: pause once this share of N*K has finished; the rest resume "
+                                       "next iteration (default {default}: synchronous)")
+    temperature: float = option(1.0, "rollout sampling temperature")
+    # per assistant turn: a tool turn (think + call) runs ~100-130 tokens
+    max_tokens: int = option(160, "tokens per assistant turn")
+    pool: int = option(128, "training prompts, cycled")  # each has a cold-start budget
+    heldout: int = option(64, "held-out prompts evaluated greedily")
+    eps_low: float = option(0.2, "ratio clip floor 1 - eps")
+    eps_high: float = option(0.2, "ratio clip ceiling 1 + eps")
+    # rollout and trainer in k3.ops.batch_invariant's arithmetic (CPU)
+    batch_invariant: bool = option(False, "rollouts and trainer in batch-invariant arithmetic (CPU, slower): "
+                                          "recorded log-probs equal the trainer's bit for bit, QAT included")
+    # shared prompts run once in the trainer (k3/rl/shared_prompts.py; not under compile)
+    share_prompts: bool = option(True, "pack every trajectory whole in the trainer's forward instead of running "
+                                       "each distinct prompt once (same loss; K times the prompt tokens)")
 
 
-@dataclass
+@settings
 class RLSettings(RolloutSettings):
     """Everything that defines an RL run (saved as run.json; `--resume` reads it back)."""
+    HELP: ClassVar[dict] = {
+        "init": "start from this run's latest checkpoint (a `k3 sft` run, or the expert one effort up)",
+        "out": "run folder (default runs/rl-<domain>-<effort>-<timestamp>)",
+    }
     domain: str = "arithmetic"  # arithmetic | strings | tool (k3/tasks/domains.py)
     domain_options: dict = field(default_factory=dict)  # max_level, tail, digits (arithmetic), n_tools (tool)
     effort: str = "max"  # low | high | max: the XTML effort message and the default tau

@@ -12,7 +12,8 @@ import dataclasses
 from k3.checkpoint.training_state import ResumeStateError
 from k3.sft.trainer import SFTSettings, SFTTrainer
 from k3.tasks.conversations import SFTDataError
-from k3.train.cli import add_optimizer_arguments, add_run_arguments, train_verb
+from k3.train.cli import train_verb
+from k3.train.settings import add_settings_arguments, given_settings
 from k3.train.trainer import TrainError
 
 _DEFAULTS = SFTSettings()
@@ -20,42 +21,27 @@ _DEFAULTS = SFTSettings()
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
-    start = p.add_mutually_exclusive_group()
-    start.add_argument("--run", dest="init_run", metavar="RUN_DIR", help="start from this `k3 train` run's latest checkpoint")
-    start.add_argument("--model", dest="init_model", metavar="CHECKPOINT_DIR", help="start from this checkpoint folder")
-    start.add_argument("--resume", metavar="SFT_RUN_DIR", help="continue an SFT run from its latest checkpoint")
-    p.add_argument("--data", help="JSONL of OpenAI-style conversations: {\"messages\": [...], \"tools\": [...]} per line "
-                                  "(default: the embedded default SFT set)")
-    p.add_argument("--val-data", help="held-out JSONL (default: every k-th conversation of --data, k = 1/--val-fraction)")
-    p.add_argument("--val-fraction", type=float, help=f"(default {d.val_fraction})")
-    p.add_argument("--out", help="run folder (default runs/sft-<init>-<timestamp>)")
-    p.add_argument("--train-size", type=int, help=f"default set: train conversations (default {d.train_size})")
-    p.add_argument("--val-size", type=int, help=f"default set: held-out conversations (default {d.val_size})")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--batch-size", type=int, help=f"conversations per optimizer step, all ranks (default {d.batch_size})")
-    p.add_argument("--seq-len", type=int, help=f"the longest conversation in tokens; longer is an error (default {d.seq_len})")
-    add_optimizer_arguments(p, d)
+    data = add_settings_arguments(p, SFTSettings, resume="SFT_RUN_DIR")["data"]
+    data.add_argument("--val-data", help="held-out JSONL (default: every k-th conversation of --data, k = 1/--val-fraction)")
+    data.add_argument("--train-size", type=int, help=f"default set: train conversations (default {d.train_size})")
+    data.add_argument("--val-size", type=int, help=f"default set: held-out conversations (default {d.val_size})")
     p.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false", default=None,
                    help="run every conversation whole instead of running the tokens before each one's first "
                         "assistant target once per distinct prefix (same loss)")
-    p.add_argument("--eval-every", type=int, help=f"steps between held-out evals (default {d.eval_every})")
     p.add_argument("--agent-episodes", type=int, help=f"held-out agent episodes scored at the end (default {d.agent_episodes})")
     p.add_argument("--max-reply-tokens", type=int, help=f"tokens per generated reply (default {d.max_reply_tokens})")
-    add_run_arguments(p, d)
 
 
 def _settings(args) -> SFTSettings:
-    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(SFTSettings)
-               if getattr(args, f.name, None) is not None}
-    init = args.init_run or args.init_model
-    if not init:
+    changes = given_settings(args, SFTSettings)
+    if not changes.get("init"):
         raise TrainError("say where to start: --run RUN_DIR (a `k3 train` run) or --model CHECKPOINT_DIR")
     # flags that the other data source would silently ignore
     if args.data is None and args.val_data is not None:
         raise TrainError("--val-data goes with --data (the default set has its own held-out split)")
     if args.data is not None and (args.train_size is not None or args.val_size is not None):
         raise TrainError("--train-size and --val-size size the default set; with --data every conversation is used")
-    return dataclasses.replace(_DEFAULTS, **changes, init=init)
+    return dataclasses.replace(_DEFAULTS, **changes)
 
 
 def run(args) -> int:

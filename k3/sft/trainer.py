@@ -5,7 +5,7 @@ tokenizer, which must hold K3's four chat markers. Each conversation is rendered
 XTML renderer; the loss is the mean next-token cross-entropy over the assistant tokens of the global
 batch (k3/sft/batches.py), so system, user, tool-declaration and tool-result tokens are context only.
 Everything else is `k3 train`'s: Per-Head Muon + AdamW, warmup-cosine, the expert-balance rule,
-optional MXFP4/MXFP8 QAT (seeds §6.3: QAT is on from SFT on in K3), FSDP2 under torchrun, atomic
+optional MXFP4/MXFP8 QAT (DESIGN §13.4: QAT is on from SFT on in K3), FSDP2 under torchrun, atomic
 checkpoints with exact resume, metrics.jsonl, loss.png and report.md. At the end, held-out agent
 episodes are run and scored (k3/sft/agent_eval.py) when the held-out set carries expected answers.
 The checkpoint's tokenizer_config.json gets a `chat_template`, which marks the model chat-tuned for
@@ -17,8 +17,8 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,42 +38,46 @@ from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
 from k3.train.packing import IGNORE_INDEX, windows_for_step
 from k3.train.parallel import all_reduce_sum
 from k3.train.prefix_tree import first_targets, tail_logits
+from k3.train.settings import (
+    BatchSettings,
+    CheckpointSettings,
+    DataSettings,
+    OptimizerSettings,
+    RunSettings,
+    StartSettings,
+    settings,
+)
 from k3.train.trainer import EVAL_ROW_TOKENS, Trainer, validate_common
 
 AGENT_FILE = "agent_eval.jsonl"
 
 
-@dataclass
-class SFTSettings:
-    """Everything that defines an SFT run (saved as run.json; `--resume` reads it back)."""
-    init: str = ""  # a `k3 train` run folder (its latest checkpoint) or a checkpoint folder
-    data: str | None = None  # a JSONL of OpenAI-style conversations; None: the embedded default set
+@settings
+class SFTSettings(CheckpointSettings, OptimizerSettings, BatchSettings, RunSettings, DataSettings, StartSettings):
+    """Everything that defines an SFT run (saved as run.json; `--resume` reads it back). The fields
+    every training verb shares are declared in k3/train/settings.py; DEFAULTS holds this verb's values."""
+    DEFAULTS: ClassVar[dict] = {
+        "val_fraction": 0.05,
+        "steps": 100,  # with k3 train's default run, the two take ~11 of the 15 minutes on 2 CPU cores
+        "eval_every": 50, "batch_size": 8,
+        "seq_len": 1024,  # the longest conversation, in tokens; a longer one is an error naming its line
+        "lr": 2e-3, "min_lr_ratio": 0.1, "weight_decay": 0.0, "ckpt_every": 20, "keep": 2}
+    HELP: ClassVar[dict] = {
+        "init": "start from this `k3 train` run's latest checkpoint",
+        "data": 'JSONL of OpenAI-style conversations: {"messages": [...], "tools": [...]} per line '
+                "(default: the embedded default SFT set)",
+        "val_fraction": "share of --data's conversations held out when there is no --val-data",
+        "out": "run folder (default runs/sft-<init>-<timestamp>)",
+        "eval_every": "steps between held-out evals",
+        "batch_size": "conversations per optimizer step, all ranks together",
+        "seq_len": "the longest conversation in tokens; longer is an error",
+    }
     val_data: str | None = None  # held-out JSONL; None: the default set's held-out split, or val_fraction of `data`
-    val_fraction: float = 0.05
-    out: str | None = None  # run folder; None: runs/sft-<init>-<timestamp>
     train_size: int = 800  # conversations drawn from the default set (train split): one epoch by default
     val_size: int = 64  # held-out conversations of the default set (loss and agent episodes)
-    steps: int = 100  # with k3 train's default run, the two take ~11 of the 15 minutes on 2 CPU cores
-    batch_size: int = 8  # conversations per optimizer step, over all ranks and micro-batches
-    seq_len: int = 1024  # the longest conversation, in tokens; a longer one is an error naming its line
-    grad_accum: int = 1
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    balance: str = "quantile"
-    qat: bool = False
-    compile: bool = False
     share_prefixes: bool = True  # tokens before each conversation's first target run once per distinct prefix
-    eval_every: int = 50
     agent_episodes: int = 64  # held-out episodes scored at the end (0: none)
     max_reply_tokens: int = 160
-    ckpt_every: int = 20
-    keep: int = 2
-    keep_all_state: bool = False
-    seed: int = 0
-    device: str = "cpu"
-    cache_dir: str | None = None
 
 
 def _validate(s: SFTSettings, world_size: int, max_positions: int) -> None:

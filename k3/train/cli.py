@@ -3,7 +3,7 @@
 Distributed: `torchrun --nproc-per-node N -m k3 train ...` (FSDP2; gloo on CPU, NCCL on CUDA).
 Every default lives in TrainSettings; flags left out keep it. A vision-language config
 (`--config k3-tiny-vl`, or a config.json with a vision_config) trains with VLTrainer and VLSettings'
-defaults instead (k3/train/vl_trainer.py, SPEC §7).
+defaults instead (k3/train/vl_trainer.py, DESIGN §7).
 """
 from __future__ import annotations
 
@@ -18,79 +18,47 @@ from k3.checkpoint.training_state import CheckpointSaveError, ResumeStateError
 from k3.config import ConfigError
 from k3.data.corpus import DataError
 from k3.train.init import INITS
-from k3.train.muon import OPTIMIZERS
-from k3.train.trainer import BALANCE_RULES, Trainer, TrainError, TrainSettings
+from k3.train.settings import add_settings_arguments, given_settings
+from k3.train.trainer import MAX_EVAL_TOKENS, Trainer, TrainError, TrainSettings
 
 _DEFAULTS = TrainSettings()
 
 
-def add_optimizer_arguments(p: argparse.ArgumentParser, d) -> None:
-    """The step's flags shared by every training verb; `d` holds the verb's defaults."""
-    if hasattr(d, "grad_accum"):  # RL verbs split their forwards by tokens instead
-        p.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, Muon and AdamW (default {d.lr})")
-    p.add_argument("--weight-decay", type=float, help=f"(default {d.weight_decay})")
-    if hasattr(d, "optimizer"):  # a verb whose settings choose the optimizer
-        p.add_argument("--optimizer", choices=OPTIMIZERS,
-                       help=f"matrix weights' update: K3's Per-Head Muon, whole-matrix Muon, or AdamW for every "
-                            f"parameter (default {d.optimizer})")
-    p.add_argument("--grad-clip", type=float, help=f"max global gradient norm (default {d.grad_clip})")
-    p.add_argument("--balance", choices=BALANCE_RULES, help=f"expert-balance rule after each step (default {d.balance})")
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile each layer's norms, mixer and FFN and the AttnRes reads (worth it on CUDA; "
-                        "minutes of compiling first)")
-    p.add_argument("--qat", action="store_true", default=None,
-                   help="quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")
-
-
-def add_run_arguments(p: argparse.ArgumentParser, d) -> None:
-    """Checkpoints, seed, device and console, shared by every training verb."""
-    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints (default {d.ckpt_every})")
-    p.add_argument("--keep", type=int, help=f"checkpoints to keep (default {d.keep}); only the latest keeps the "
-                                          "optimizer state --resume needs, older ones the model and tokenizer")
-    p.add_argument("--keep-all-state", action="store_true", default=None,
-                   help="keep the optimizer/RNG state in every kept checkpoint, not only the latest")
-    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
-    p.add_argument("--device", help=f"where to train: cpu, cuda or cuda:N (default {d.device}; under torchrun "
-                                    "each rank takes its own GPU)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = _DEFAULTS
+    from k3.train.vl_trainer import VLSettings
+
+    d, vl_defaults = _DEFAULTS, VLSettings()
     p.add_argument("--config", "--preset", dest="config", help=f"preset name or config.json path (default {d.config})")
     p.add_argument("--set", dest="overrides", action="append", metavar="FIELD=VALUE",
                    help="change a K3Config field, VALUE as JSON (e.g. --set num_hidden_layers=4); repeatable")
-    p.add_argument("--data", help="a text file, a JSONL file with a 'text' field, or a folder of them "
-                                  "(default: the bundled Shakespeare corpus)")
-    p.add_argument("--copy-share", type=float,
-                   help="share of the training bytes that are copy-shaped documents (random word sequences shown "
-                        "twice), so a small model learns to copy; validation stays the corpus's (default 0)")
     p.add_argument("--weight-init", choices=INITS,
                    help="a model from scratch: zero-out starts each residual branch's last projection at zero "
                         "(nanochat's init; k3-tiny learns to copy in context several times sooner), normal keeps "
                         f"K3's N(0, initializer_range) everywhere (default {d.weight_init})")
-    p.add_argument("--out", help="run folder (default runs/<config>-<timestamp>)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint, with its saved settings")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--batch-size", type=int, help=f"sequences per optimizer step, all ranks together (default {d.batch_size})")
-    p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
-    add_optimizer_arguments(p, d)
-    p.add_argument("--eval-every", type=int, help=f"steps between evals and samples (default {d.eval_every})")
-    p.add_argument("--eval-windows", type=int, help="validation windows per eval, the same ones every time "
-                                                     "(default: all of the validation split, up to 262,144 tokens)")
-    add_run_arguments(p, d)
-    p.add_argument("--ep", type=int, help="under torchrun: expert-parallel ranks; routed experts are split over them "
-                                          "(default 1)")
-    p.add_argument("--dp", type=int, help="under torchrun: data-parallel ranks (default: world size / --ep)")
-    p.add_argument("--ep-plan", choices=("balanced", "home"),
-                   help="expert placement per micro-batch: balanced (MoonEP's online plan: equal tokens per rank, "
-                        "copies of hot experts) or home (plain EP) (default balanced)")
-    p.add_argument("--cache-dir", help="tokenizer/token cache (default $K3_CACHE_DIR or ~/.cache/k3)")
+    groups = add_settings_arguments(p, TrainSettings, also=("VL configs", VLSettings))
+    groups["data"].add_argument(
+        "--copy-share", type=float,
+        help="share of the training bytes that are copy-shaped documents (random word sequences shown twice), so a "
+             f"small model learns to copy; validation stays the corpus's (default {d.copy_share:g})")
+    groups["data"].add_argument("--cache-dir", help="tokenizer/token cache (default $K3_CACHE_DIR or ~/.cache/k3)")
+    groups["run"].add_argument("--eval-windows", type=int,
+                               help="validation windows per eval, the same ones every time (default: all of the "
+                                    f"validation split, up to {MAX_EVAL_TOKENS:,} tokens; VL configs: "
+                                    f"{vl_defaults.eval_windows})")
+    parallel = p.add_argument_group("parallelism (under torchrun)")
+    parallel.add_argument("--ep", type=int, help="expert-parallel ranks; routed experts are split over them "
+                                                 f"(default {d.ep})")
+    parallel.add_argument("--dp", type=int, help="data-parallel ranks (default: world size / --ep)")
+    parallel.add_argument("--ep-plan", choices=("balanced", "home"),
+                          help="expert placement per micro-batch: balanced (MoonEP's online plan: equal tokens per "
+                               f"rank, copies of hot experts) or home (plain EP) (default {d.ep_plan})")
     vl = p.add_argument_group("vision-language configs (--config k3-tiny-vl, or a config.json with a vision_config)")
-    vl.add_argument("--vl-scenes", type=int, help="generated scenes per step, all ranks together (default 11)")
-    vl.add_argument("--vl-questions", type=int, help="questions per scene, each a chat turn (default 4)")
-    vl.add_argument("--image-size", type=int, help="scene canvas in pixels (default 84: one merged token per grid cell)")
+    vl.add_argument("--vl-scenes", type=int,
+                    help=f"generated scenes per step, all ranks together (default {vl_defaults.vl_scenes})")
+    vl.add_argument("--vl-questions", type=int,
+                    help=f"questions per scene, each a chat turn (default {vl_defaults.vl_questions})")
+    vl.add_argument("--image-size", type=int,
+                    help=f"scene canvas in pixels (default {vl_defaults.image_size}: one merged token per grid cell)")
     vl.add_argument("--vl-thinking", action="store_true", default=None,
                     help="train the conversations with the think channel on (default off)")
 
@@ -99,8 +67,8 @@ VL_FLAGS = ("vl_scenes", "vl_questions", "image_size", "vl_thinking")
 
 
 def _settings(args, defaults: TrainSettings = _DEFAULTS) -> TrainSettings:
-    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(defaults)
-               if f.name != "overrides" and getattr(args, f.name, None) is not None}
+    changes = given_settings(args, type(defaults))
+    changes.pop("overrides", None)  # --set FIELD=VALUE items, read here
     overrides = {}
     for item in args.overrides or []:
         field, sep, value = item.partition("=")

@@ -6,7 +6,7 @@ The loss is the mean next-token cross-entropy over the global batch's targets: e
 its summed NLL by the global target count (known without communication, windows are a pure
 function of the step) times the world size, because FSDP averages gradients over ranks.
 After each step: gradient clipping, Per-Head Muon + AdamW, the warmup-cosine schedule, then the
-expert-balance update (SPEC §6: QB by default, used from the next step on).
+expert-balance update (DESIGN §6: QB by default, used from the next step on).
 
 Everything a step depends on is a function of (settings, step, saved state): data order from the
 seed and step, no dropout, eval and sampling use no global RNG. So a resumed run replays the same
@@ -19,9 +19,9 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.nn import functional as F
@@ -63,51 +63,48 @@ from k3.train.parallel import (
 )
 from k3.train.progress import Progress
 from k3.train.schedule import warmup_cosine
+from k3.train.settings import (
+    BALANCE_RULES,
+    BatchSettings,
+    CheckpointSettings,
+    DataSettings,
+    OptimizerSettings,
+    RunSettings,
+    settings,
+)
 from k3.train.vl_config import VL_PRESETS
 
 RUN_FILE = "run.json"
-BALANCE_RULES = ("quantile", "histogram", "sign", "none")
 EVAL_ROW_TOKENS = 4096  # tokens per eval forward (no backward, so rows can be long)
 # a default eval reads the whole validation split up to this many tokens (the bundled play is 45,602), so
 # a large user corpus does not spend more time evaluating than training; the same tokens every eval
 MAX_EVAL_TOKENS = 262_144
 
 
-@dataclass
-class TrainSettings:
-    """Everything that defines a run (saved as run.json; `--resume` reads it back)."""
+@settings
+class TrainSettings(CheckpointSettings, OptimizerSettings, BatchSettings, RunSettings, DataSettings):
+    """Everything that defines a run (saved as run.json; `--resume` reads it back). The fields every
+    training verb shares are declared in k3/train/settings.py; DEFAULTS holds this verb's values."""
+    DEFAULTS: ClassVar[dict] = {
+        "val_fraction": 0.02,  # the bundled corpus: 1 of 42 works
+        "steps": 250, "eval_every": 100, "batch_size": 8, "seq_len": 256, "lr": 4e-3, "min_lr_ratio": 0.1,
+        "weight_decay": 0.1, "ckpt_every": 100, "keep": 3}
+    HELP: ClassVar[dict] = {
+        "data": "a text file, a JSONL file with a 'text' field, or a folder of them (default: the bundled "
+                "Shakespeare corpus)",
+        "out": "run folder (default runs/<config>-<timestamp>)",
+        "eval_every": "steps between evals and samples",
+    }
     config: str = "k3-tiny"  # preset name or config.json path
     overrides: dict = dataclasses.field(default_factory=dict)  # K3Config fields to change, e.g. {"num_hidden_layers": 4}
-    data: str | None = None  # None: the bundled Shakespeare corpus
     copy_share: float = 0.0  # share of the training bytes that are copy-shaped documents (k3.data.copy_corpus)
     weight_init: str = "zero-out"  # how a model from scratch starts: zero-out | normal (k3.train.init)
-    out: str | None = None  # run folder; None: runs/<config>-<timestamp>
-    steps: int = 250
-    batch_size: int = 8  # sequences per optimizer step, over all ranks and micro-batches
-    seq_len: int = 256
-    grad_accum: int = 1
-    lr: float = 4e-3
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    optimizer: str = "per-head-muon"  # per-head-muon | muon | adamw (k3.train.muon.OPTIMIZERS)
-    balance: str = "quantile"  # quantile | histogram | sign | none
-    qat: bool = False  # MXFP4/MXFP8 quantization-aware training of the routed experts (k3.quant.qat)
-    compile: bool = False  # torch.compile norms, mixers, FFNs and AttnRes reads (k3.regional_compile); for CUDA runs
-    val_fraction: float = 0.02  # the bundled corpus: 1 of 42 works
-    eval_every: int = 100
     eval_windows: int | None = None  # val windows per eval; None: all of val up to MAX_EVAL_TOKENS; same ones every eval
     sample_tokens: int = 80
     sample_prompts: tuple[str, ...] = ("To be, or not to be", "KING.\n")
-    ckpt_every: int = 100
-    keep: int = 3
-    keep_all_state: bool = False  # optimizer/RNG state in every kept checkpoint, not only the latest
-    seed: int = 0
-    device: str = "cpu"
     ep: int = 1  # expert-parallel ranks under torchrun (k3.parallel); the rest of the world is data parallel
     dp: int | None = None  # data-parallel ranks; None: world size / ep
     ep_plan: str = "balanced"  # balanced (MoonEP's online plan with expert copies) | home (plain EP)
-    cache_dir: str | None = None  # tokenizer/token cache; None: $K3_CACHE_DIR or ~/.cache/k3
 
 
 def _check_writable(path: Path) -> None:
@@ -132,6 +129,7 @@ def validate_update(s) -> None:
     _need(0 <= s.weight_decay < math.inf, f"weight decay must be a finite number >= 0, got {s.weight_decay}")
     # a clip <= 0 would zero (or, below 0, reverse) every gradient
     _need(0 < s.grad_clip <= math.inf, f"grad clip must be > 0 (inf: no clipping), got {s.grad_clip}")
+    _need(0 <= s.min_lr_ratio <= 1, f"min lr ratio must be in [0, 1], got {s.min_lr_ratio}")
 
 
 def validate_common(s, world_size: int, max_positions: int) -> None:
@@ -143,8 +141,7 @@ def validate_common(s, world_size: int, max_positions: int) -> None:
     _need(2 <= s.seq_len <= max_positions,
           f"sequence length {s.seq_len} is outside what the model takes: 2..{max_positions} (max_position_embeddings)")
     validate_update(s)
-    optimizer = getattr(s, "optimizer", OPTIMIZERS[0])  # settings of other verbs may not choose one
-    _need(optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    _need(s.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {s.optimizer!r}")
     init = getattr(s, "weight_init", INITS[0])  # only verbs that build a model from scratch choose one
     _need(init in INITS, f"weight init must be one of {', '.join(INITS)}, got {init!r}")
     _need(s.balance in BALANCE_RULES, f"balance rule must be one of {', '.join(BALANCE_RULES)}, got {s.balance!r}")
@@ -334,7 +331,7 @@ class Trainer:
 
             compile_regions(model)
         self._start_optimizer(param_groups(self.model, self.config, weight_decay=settings.weight_decay,
-                                           optimizer=getattr(settings, "optimizer", OPTIMIZERS[0])), resume)
+                                           optimizer=settings.optimizer), resume)
 
     def _start_optimizer(self, groups: list[dict], resume: bool) -> None:
         """Per-Head Muon + AdamW over `groups`, the schedule, the counters and the balance rule; on
@@ -350,7 +347,7 @@ class Trainer:
         if self.world.distributed and self.balance_rule is not None:
             if self.balance_rule == "quantile":  # exact QB needs every score: pool histograms instead
                 self.balance_rule = "histogram"
-                self.log("balance: quantile -> histogram QB pooled over ranks (SPEC §6, within one bin of exact)")
+                self.log("balance: quantile -> histogram QB pooled over ranks (DESIGN §6, within one bin of exact)")
             self.balance_reduce = lambda t: all_reduce_sum(t, self.world)
 
     def _restore_latest(self) -> None:
@@ -453,7 +450,7 @@ class Trainer:
 
     def optimizer_step(self) -> tuple[torch.Tensor, float, dict]:
         """After the backward passes: clip, step the optimizer and the schedule, apply the
-        expert-balance rule (SPEC §6), count the step. Returns the gradient norm, the step's learning
+        expert-balance rule (DESIGN §6), count the step. Returns the gradient norm, the step's learning
         rate and the experts' loads of the step."""
         grad_norm = clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor

@@ -1,19 +1,22 @@
-"""Vision-language presets for joint training from scratch (`k3 train --config k3-tiny-vl`, SPEC §7).
+"""Vision-language configs for joint training from scratch (`k3 train --config k3-tiny-vl`, DESIGN §7).
 
-A VL preset is a text K3Config (an existing preset, unchanged) plus a VisionConfig for a tiny
-MoonViT-V2 tower and its patchmergerv2 projector; the media placeholder id is the last id of the
-vocabulary, which the VL trainer's tokenizer reserves for `IMAGE_PLACEHOLDER` (k3/train/vl_trainer.py).
-Kept apart from k3/config.py's PRESETS so the text presets (and everything reading them) stay as
-they are. A config.json with a `vision_config` (the published multimodal layout) also names a VL
-model. Overrides: K3Config fields by name, VisionConfig fields as `vision_config.<field>`.
+A VL preset (k3/configs/, the files with a `vision_config`) is a text K3Config plus a VisionConfig
+for a tiny MoonViT-V2 tower and its patchmergerv2 projector; the media placeholder id is the last id
+of the vocabulary, which the VL trainer's tokenizer reserves for `IMAGE_PLACEHOLDER`
+(k3/train/vl_trainer.py). Kept apart from k3/config.py's PRESETS so the text presets (and
+everything reading them) stay text. A config.json with a `vision_config` (the published multimodal
+layout) also names a VL model. Overrides: K3Config fields by name, VisionConfig fields as
+`vision_config.<field>`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
-from k3.config import ConfigError, K3Config, load_config
+from k3 import configs
+from k3.config import ConfigError, K3Config
 from k3.model.multimodal import K3MultimodalConfig
 from k3.model.vision.config import VisionConfig
 
@@ -32,25 +35,17 @@ class VLCheckpointConfig(K3MultimodalConfig):
         return self.text_config.tie_word_embeddings
 
 
-def tiny_vision_config(text_hidden_size: int) -> VisionConfig:
-    """MoonViT-V2 at CPU scale: 4 blocks of width 128 (4 heads of 32), MLP 256, patch 14, 2 x 2 merge,
-    a 6 x 6 position table (the default 84-px scenes' own grid, so no resize) and a projector to the
-    LM width."""
-    return VisionConfig(
-        vt_hidden_size=128, vt_num_hidden_layers=4, vt_num_attention_heads=4, qkv_hidden_size=128,
-        vt_intermediate_size=256, mm_hidden_size=128, text_hidden_size=text_hidden_size,
-        init_pos_emb_height=6, init_pos_emb_width=6)
+def vl_preset_config(name: str) -> K3MultimodalConfig:
+    """VL preset `name` (k3/configs/<name>.json) as a model, not a file: written out whole, as the
+    text presets are (k3.config.preset_config)."""
+    cfg = K3MultimodalConfig.from_dict(configs.read_preset(name))
+    text = dataclasses.replace(cfg.text_config, _text_source=None, _wrapper_source=None)
+    vision = dataclasses.replace(cfg.vision_config, _read_keys=None)
+    return K3MultimodalConfig(text, vision, cfg.media_placeholder_token_id)
 
 
-def _preset_k3_tiny_vl() -> K3MultimodalConfig:
-    # 32-token KDA chunks: VL documents are short (a scene and a few questions), and a 64-token chunk
-    # would mostly be padding there (a runtime choice, not a model change: k3/model/kda.py)
-    text = load_config("k3-tiny").replace(kda_chunk_size=32)
-    return K3MultimodalConfig(text, tiny_vision_config(text.hidden_size),
-                              media_placeholder_token_id=text.vocab_size - 1)
-
-
-VL_PRESETS = {"k3-tiny-vl": _preset_k3_tiny_vl}
+# name -> the preset's K3MultimodalConfig (a fresh one per call)
+VL_PRESETS = {name: functools.partial(vl_preset_config, name) for name in configs.preset_names(vision=True)}
 
 
 def _config_file(name_or_path: str) -> Path | None:

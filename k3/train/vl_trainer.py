@@ -1,4 +1,4 @@
-"""Joint vision-language training from scratch (`k3 train --config k3-tiny-vl`, SPEC §7).
+"""Joint vision-language training from scratch (`k3 train --config k3-tiny-vl`, DESIGN §7).
 
 K3ForConditionalGeneration (k3/model/multimodal.py: MoonViT-V2 tower + patchmergerv2 projector +
 the K3 text model) trains on a mix of the bundled text and generated scenes with questions
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from PIL import Image
@@ -51,6 +51,7 @@ from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
 from k3.train.muon import OPTIMIZERS, Blocks, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, window, windows_for_step
 from k3.train.parallel import all_reduce_sum, any_rank, shard_multimodal
+from k3.train.settings import settings
 from k3.train.trainer import Trainer, TrainSettings, validate_common
 from k3.train.vl_config import VLCheckpointConfig, load_vl_config
 from k3.train.vl_data import VLEncoder, corpus_texts, describe, pack_vl, scene_questions, scenes_for_step
@@ -59,18 +60,16 @@ VQA_CHUNK = 64  # held-out prompts per prefill
 TOKENIZER_SCENES = 400  # scenes whose question/answer text joins the tokenizer's training text
 
 
-@dataclass
+@settings
 class VLSettings(TrainSettings):
     """A `k3 train` run of a VL model (saved as run.json; `--resume` reads it back). The defaults
     fit the 15-minute budget of the default run on 2 CPU cores (docs/VISION.md, Joint training)."""
-    config: str = "k3-tiny-vl"
-    steps: int = 560
-    batch_size: int = 2  # text windows per step (about a sixth of the row: the VL answers are the hard part)
-    seq_len: int = 160  # as long as a VL document: the chunked KDA pads every segment of a row to the longest
-    lr: float = 4e-3
-    eval_every: int = 280  # a held-out eval prefills 400 chat prompts and decodes each reply's markers
-    eval_windows: int | None = 16
-    ckpt_every: int = 100
+    DEFAULTS: ClassVar[dict] = {
+        "config": "k3-tiny-vl", "steps": 560,
+        "batch_size": 2,  # text windows per step (about a sixth of the row: the VL answers are the hard part)
+        "seq_len": 160,  # as long as a VL document: the chunked KDA pads every segment of a row to the longest
+        "eval_every": 280,  # a held-out eval prefills 400 chat prompts and decodes each reply's markers
+        "eval_windows": 16}
     vl_scenes: int = 11  # VL documents (scenes) per step: 4-turn conversations of about 145 tokens
     vl_questions: int = 4  # questions per scene: chat turns, each answer learned
     # without the think channel: 44 answers a step instead of 16, and `k3 serve --run` renders requests
@@ -112,7 +111,7 @@ def _validate_vl(s: VLSettings, config: K3MultimodalConfig, world_size: int = 1)
 
 # ---------------------------------------------------------------------- optimizer groups
 def vision_blocks(name: str, param: torch.Tensor, head_dim: int) -> Blocks | None:
-    """The Muon block structure of a vision-encoder parameter, or None for AdamW (SPEC §8). The
+    """The Muon block structure of a vision-encoder parameter, or None for AdamW (DESIGN §8). The
     tower's attention is multi-head like the LM's, so Per-Head Muon cuts it the same way: wqkv's rows
     are [q | k | v] x heads x head_dim (3 * heads row blocks), wo's columns are heads x head_dim.
     The patch convolution [D, 3, P, P] is the image analogue of the token embedding and the position
