@@ -11,7 +11,8 @@ only on an H200: fp32 weights and AdamW state are 16 bytes a parameter.
 
 - train:  one training step of the model at 4096 tokens per sequence (bf16 autocast, fp32 weights,
           fused AdamW), tokens/s and MFU against the measured bf16 matmul rate and the 989 TFLOP/s
-          datasheet rate. FLOPs per token (stated in docs/BENCHMARKS.md too):
+          datasheet rate. FLOPs per token (k3/flops.py, the model `k3 plan` times steps with;
+          stated in docs/BENCHMARKS.md too):
               6 * N_active                                  (N_active: k3/model/params.py — the
                                                              embedding excluded, lm_head and router in)
             + per MLA layer: 3 * T * H * (d_qk + d_v)       (causal: each query sees T/2 keys on
@@ -60,11 +61,11 @@ from bench.ceilings import H200_BF16_DENSE_TFLOPS, median_ms
 from bench.common import per_expert_loop
 from bench.serve_modes import K3_MODES, agreement_summary, mixed_line
 from k3.config import K3Config, load_config
+from k3.flops import causal_attention_flops, kda_flops_per_token, mla_flops_per_token, train_flops_per_token
 from k3.model.cache import K3Cache, KDAState, MLAState
 from k3.model.experts import RoutedExperts, grouped_mm_available
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
-from k3.model.params import count_parameters
 from k3.model.transformer import K3ForCausalLM
 from k3.ops import fla_kernels
 from k3.ops.kda import DecayGate, kda
@@ -91,31 +92,6 @@ def _say(record: Record, entry: dict) -> None:
 
 def _skip(record: Record, bench: str, name: str, why: str) -> None:
     _say(record, {"kind": "bench", "bench": bench, "name": name, "status": "skipped", "note": why})
-
-
-# ----------------------------------------------------------------------------- FLOPs
-def kda_flops_per_token(cfg: K3Config) -> float:
-    """Forward + backward FLOPs per token of one KDA layer's recurrence (Kimi Linear paper, x3)."""
-    d, C = cfg.kda_head_dim, cfg.kda_chunk_size
-    return 3 * cfg.kda_num_heads * (6 * d * d + 3 * C * d + C * C)
-
-
-def causal_attention_flops(T: int, H: int, d_qk: int, d_v: int) -> float:
-    """Forward + backward FLOPs of causal softmax attention over one sequence of T tokens:
-    forward 2 FLOPs x T^2/2 (query, key) pairs x H x (d_qk + d_v) for QK^T and PV; backward 2x."""
-    return 3 * T * T * H * (d_qk + d_v)
-
-
-def mla_flops_per_token(cfg: K3Config, T: int) -> float:
-    """Per token of one MLA layer at length T: 3 T H (d_qk + d_v)."""
-    return causal_attention_flops(T, cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim) / T
-
-
-def train_flops_per_token(cfg: K3Config, T: int) -> dict:
-    active = count_parameters(cfg)["active"]
-    parts = {"matmul_6N": 6 * active, "mla_attention": cfg.num_mla_layers * mla_flops_per_token(cfg, T),
-             "kda_recurrence": cfg.num_kda_layers * kda_flops_per_token(cfg)}
-    return {"active_params": active, **parts, "total": sum(parts.values())}
 
 
 @dataclass

@@ -13,7 +13,8 @@ from tokenizers.decoders import DecodeStream
 from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.device import parse_device
-from k3.generation.generate import MAX_TEMPERATURE, generate
+from k3.generation.generate import generate
+from k3.sampling import MAX_TEMPERATURE, check_sampling
 from k3.text.tokenizer import load_tokenizer
 
 
@@ -30,8 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.max_tokens < 1 or not 0 < args.top_p <= 1 or not 0 <= args.temperature <= MAX_TEMPERATURE \
-            or args.top_k < 0:
+    try:
+        check_sampling(args.temperature, args.top_p, args.top_k)
+        ok = args.max_tokens >= 1
+    except ValueError:
+        ok = False
+    if not ok:
         print(f"k3 generate: error: need --max-tokens >= 1, 0 < --top-p <= 1, 0 <= --temperature <= "
               f"{MAX_TEMPERATURE:g}, --top-k >= 0", file=sys.stderr)
         return 2

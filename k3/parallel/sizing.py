@@ -20,8 +20,9 @@ Assumptions (docs/SCALING.md lists them with the reasoning):
   backward) and reduce-scatter (fp32) once per micro-batch; KCP one all-gather of the [H, K, K+V]
   fp32 state pairs per KDA layer, MLA one all-gather of the latents, forward and backward; PP one
   [t, D] bf16 activation per stage boundary each way.
-- time: compute = 6 * active parameters * tokens + attention FLOPs (12 t T_ctx H d / 2 for causal
-  MLA with gathered context), at the GPU's dense bf16 peak x MFU; communication at NVLink bandwidth
+- time: compute = tokens x the training FLOP model per token (k3/flops.py: 6 * active parameters,
+  causal MLA attention over the whole sequence, the KDA recurrence; 8/6 of it with activation
+  checkpointing), at the GPU's dense bf16 peak x MFU; communication at NVLink bandwidth
   inside a node and the per-GPU network bandwidth across nodes (EP, CP groups are innermost);
   bound = max(compute, communication) (full overlap), and their sum (none) as the pessimistic side.
 """
@@ -34,6 +35,7 @@ import torch
 from torch.nn import functional as F
 
 from k3.config import K3Config
+from k3.flops import train_flops_per_token
 from k3.model.params import count_parameters
 
 GiB = 1024 ** 3
@@ -136,7 +138,7 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _balanced_loop(experts, x, counts, w1, w3, w2):
-    """The expert loop with the pairs spread evenly (a balanced plan, seeds §7.2): on the meta
+    """The expert loop with the pairs spread evenly (a balanced plan, DESIGN §14.2): on the meta
     device split sizes cannot be read, and one matmul over all rows saves what E matmuls save."""
     return F.linear(experts.act(F.linear(x, w1[0]), F.linear(x, w3[0])), w2[0])
 
@@ -290,11 +292,11 @@ def size_layout(config: K3Config, layout: Layout, gpu: GPU, work: Workload, para
     pp_bytes = micro * 2 * t * config.hidden_size * wbytes if pp > 1 else 0.0
     comm = {"ep_a2a": a2a / 1e9, "fsdp": fsdp / 1e9, "cp": cp_bytes / 1e9, "pp": pp_bytes / 1e9}
 
-    # time: 6 N_active per token plus causal attention over the whole sequence (CP ranks split the queries)
-    attn = 12 * t * (work.seq_len / 2) * config.num_attention_heads * \
-        (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) / 2 * mla_layers
-    passes = 8 if work.checkpointing else 6  # recomputing the forward adds 2 N per token
-    flops = micro * (passes * params["active"] * stage * t + attn * passes / 6)
+    # time: the training FLOP model per token (k3/flops.py: 6 N_active, causal MLA attention over the
+    # whole sequence, CP ranks splitting the queries, and the KDA recurrence), for the stage's layers
+    per_token = train_flops_per_token(config, work.seq_len, params["active"])["total"]
+    passes = 8 if work.checkpointing else 6  # recomputing the forward adds a third pass: 8 / 6 of fwd + bwd
+    flops = micro * t * stage * per_token * passes / 6
     bubble = (pp - 1) / (micro + pp - 1) if pp > 1 else 0.0
     compute = flops / (gpu.bf16_tflops * 1e12 * work.mfu) / (1 - bubble)
     inner = gpu.per_node  # EP and CP groups innermost: inside a node while they fit

@@ -1,7 +1,7 @@
-"""RL rollouts through the serving engine, in process, with partial rollout (seeds §6.1.2, §6.3).
+"""RL rollouts through the serving engine, in process, with partial rollout (DESIGN §13.2, §13.4).
 
 `Rollouts(model, engine_config)` drives one `k3.serve.engine.LLMEngine` over the trainer's own
-model object (so rollouts see exactly the trainer's weights, QAT included: seeds §6.3, "rollout
+model object (so rollouts see exactly the trainer's weights, QAT included: DESIGN §13.4, "rollout
 and training use the same quantization scheme"). `run(prompts, K)` samples K completions of each
 prompt (a group) and returns `Trajectory` records: prompt and completion ids, the behaviour
 policy's log-prob of every sampled token, the policy version that sampled it, and the finish
@@ -9,7 +9,7 @@ reason.
 
 Group prefix sharing. The K requests of a group share their prompt: the first (the leader) is
 submitted alone, and its K - 1 followers once its prompt has been computed, so they find the KDA
-checkpoint the engine saves at the prompt's end (SPEC §11) and compute only the last prompt token
+checkpoint the engine saves at the prompt's end (DESIGN §11) and compute only the last prompt token
 (`Segment.cached_tokens` and `RolloutBatch.prefix_hits` show it).
 
 Behaviour log-probs. The policy is pi_T = softmax(z / T): the model's logits z at the sampling
@@ -34,12 +34,12 @@ means the same token stream whatever the pauses: at fixed weights, with batch-in
 the one sampled without a pause; and with stop_fraction 1 nothing is ever paused, so the result is
 the synchronous rollout's.
 
-Partial rollout (seeds §6.1.2, after Kimi K1.5): `run(prompts, K, stop_fraction=lam, resume=...)`
+Partial rollout (DESIGN §13.2, after Kimi K1.5): `run(prompts, K, stop_fraction=lam, resume=...)`
 submits the resumed trajectories first, then the new groups, and once ceil(lam * (resumed + N * K))
 trajectories have finished it aborts the rest; each unfinished one is returned with its tokens,
 log-probs, per-token versions and generator state, and the next `run(..., resume=unfinished)`
 re-submits prompt + partial completion as a new request that keeps sampling. Its prefix-cache
-hit reaches the latest KDA checkpoint on its path (a hybrid model resumes nowhere else, SPEC §11):
+hit reaches the latest KDA checkpoint on its path (a hybrid model resumes nowhere else, DESIGN §11):
 the one the engine kept where the aborted request stopped (its last sampled token is computed
 again), or if the pool evicted it, an earlier one (the prompt end at worst) and the tokens since
 are recomputed by chunked prefill. Every trajectory comes back exactly once from each `run`
@@ -64,8 +64,8 @@ from typing import Any
 
 import torch
 
-from k3.generation.generate import GREEDY_BELOW
 from k3.quant.qat import reused_weight_quantization
+from k3.sampling import GREEDY_BELOW
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
@@ -235,7 +235,7 @@ class Rollouts:
         stats = engine.cache.stats
         queries, hits, hit_tokens = stats.queries, stats.hits, stats.hit_tokens
         start = time.perf_counter()
-        # resumed trajectories first (seeds §6.1.2), then each group's leader; followers wait for it
+        # resumed trajectories first (DESIGN §13.2), then each group's leader; followers wait for it
         backlog: deque[Trajectory] = deque(resume + new[::K])
         followers = {new[i].uid: new[i + 1:i + K] for i in range(0, len(new), K)}
         active: dict[str, Trajectory] = {}  # request id -> trajectory

@@ -1,6 +1,6 @@
 """One pool of equal-size pages: reference counts and a single free queue in eviction order.
 
-Pure bookkeeping over page ids (the bytes live in the runner's pool tensor, SPEC §11). Follows
+Pure bookkeeping over page ids (the bytes live in the runner's pool tensor, DESIGN §11). Follows
 vLLM v1's BlockPool: a page whose count drops to zero goes back to the free queue but keeps its
 cached content until the queue hands it out again; that hand-out is the eviction. So there is one
 free list and LRU eviction falls out of the queue order:

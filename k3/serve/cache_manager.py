@@ -9,7 +9,7 @@ Each running request owns:
 Every tensor operation this implies is returned as a plan of page copies / page zeroing that
 the runner executes (copies before the forward, checkpoint saves after it).
 
-Admission order matters (SPEC §11): the hit's pages are pinned BEFORE anything is allocated, so
+Admission order matters (DESIGN §11): the hit's pages are pinned BEFORE anything is allocated, so
 allocating the request's own pages can never evict the prefix it is about to reuse.
 """
 from __future__ import annotations

@@ -77,6 +77,7 @@ def run(args) -> int:
     from k3.serve.api.images import ImageError, PreparedImages, image_part_from_file, prepare_image
     from k3.serve.api.videos import clip_parts, prepare_video, video_part_from_file
     from k3.serve.loading import load_for_serving, run_chat_defaults
+    from k3.serve.request import ContextLengthError, fit_model_length
     from k3.serve.sampling import SamplingParams
     from k3.text.xtml import XTML, map_reasoning_effort
 
@@ -135,11 +136,12 @@ def run(args) -> int:
             history.extend(prepared)
         attached = []
         # every image and clip of the history, in order: earlier ones hit the prefix cache
-        media = None if processor is None else history.media(vision.config.media_placeholder_token_id)
+        media = None if processor is None else history.media(engine.media_placeholder_token_id)
         prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking, media=media)
         images = [] if processor is None else history.engine_inputs(prompt.media_offsets)
-        budget = min(args.max_tokens, engine.max_model_len - len(prompt.token_ids))
-        if budget < 1:  # drop this message (and its media), keep the conversation
+        try:  # the reply may take what the model length leaves, up to --max-tokens
+            budget = min(args.max_tokens, fit_model_length(len(prompt.token_ids), None, engine.max_model_len))
+        except ContextLengthError:  # drop this message (and its media), keep the conversation
             messages.pop()
             history.truncate(known)
             print(f"[not sent: with this message the conversation is {len(prompt.token_ids)} tokens, the model "

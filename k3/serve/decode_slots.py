@@ -5,7 +5,7 @@ others end their prefill and join). A cache built per batch takes its CUDA graph
 next change; on bench/serve.py's mixed workload a batch lasts only a few forwards, so graphs would
 rarely replay. Here the decode state lives in tensors that stay:
 
-  KDA conv tails [Lk, R, 3C, W-1] (model dtype) and states [Lk, R, H, K, V] (fp32, SPEC §3),
+  KDA conv tails [Lk, R, 3C, W-1] (model dtype) and states [Lk, R, H, K, V] (fp32, DESIGN §3),
   MLA latents [M, R, S, L+R'] with device lengths [M, R], host lengths [R];
 
 and a step over N requests runs on the view of the first B >= N rows and C <= S latent columns

@@ -174,7 +174,7 @@ class LLMEngine:
         self.layout = PageLayout.from_config(model.config, config.block_size, dtype)
         speculator = None if draft is None else Speculator(model, draft, k)
         # speculation's memory, taken from the pool's budget: per running sequence, the draft's
-        # state and the replay inputs of its k + 1 verified tokens in every KDA layer (SPEC §11)
+        # state and the replay inputs of its k + 1 verified tokens in every KDA layer (DESIGN §11)
         self.speculation_bytes = 0 if draft is None else config.max_num_seqs * (
             speculator.state_bytes() + (k + 1) * self.layout.replay_bytes_per_token)
         num_pages = max(config.cache_bytes - self.speculation_bytes, 0) // self.layout.page_bytes
@@ -204,7 +204,13 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
+        """The most tokens a request may hold, prompt and output (`fit_model_length` checks a request)."""
         return self.scheduler.max_model_len
+
+    @property
+    def media_placeholder_token_id(self) -> int | None:
+        """The id that stands in a prompt for each merged row of an image; None: no vision tower."""
+        return None if self.vision is None else self.vision.config.media_placeholder_token_id
 
     @property
     def sampler(self) -> Sampler:
@@ -240,7 +246,7 @@ class LLMEngine:
             if images:
                 raise ValueError("this model takes no images (it has no vision tower)")
             return ()
-        token = self.vision.config.media_placeholder_token_id
+        token = self.media_placeholder_token_id
         kernel = tuple(self.vision.config.vision_config.merge_kernel_size)
         spans = []
         for n, image in enumerate(images):
@@ -367,6 +373,16 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens a request may hold, prompt and output (the engine's)."""
+        return self.engine.max_model_len
+
+    @property
+    def media_placeholder_token_id(self) -> int | None:
+        """The engine's image placeholder id; None: a text-only model."""
+        return self.engine.media_placeholder_token_id
 
     def start(self) -> None:
         if self._thread is None:

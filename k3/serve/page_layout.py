@@ -1,12 +1,12 @@
-"""Page geometry: how MLA latent blocks and KDA state snapshots map onto equal-size pages (SPEC §11).
+"""Page geometry: how MLA latent blocks and KDA state snapshots map onto equal-size pages (DESIGN §11).
 
 One page size for both cache kinds:
 - An MLA page holds `block_size` tokens of the cached latent (kv_lora_rank + qk_rope_head_dim,
-  SPEC §4) for ALL MLA layers at once: every token writes every MLA layer, so the layers share one
+  DESIGN §4) for ALL MLA layers at once: every token writes every MLA layer, so the layers share one
   lifetime, one page table and one refcount per block of tokens; a per-layer page could only ever
   be evicted together with its siblings anyway.
 - A KDA snapshot of ONE layer (recurrent state [H, K, V] fp32 then the conv tails [3C, W-1] in the
-  model dtype, SPEC §3) spans `pages_per_snapshot` pages; a checkpoint is one snapshot per KDA
+  model dtype, DESIGN §3) spans `pages_per_snapshot` pages; a checkpoint is one snapshot per KDA
   layer. Snapshots are per layer so that the pool can evict them page by page, which is why
   evicting one layer's snapshot must invalidate its siblings (prefix_cache.py).
 The running state of a request is stored the same way in private pages (one snapshot per layer).
@@ -76,7 +76,7 @@ class PageLayout:
 
     @property
     def replay_bytes_per_token(self) -> int:
-        """What a verified token keeps for a KDA rollback by replay, over all KDA layers (SPEC §11;
+        """What a verified token keeps for a KDA rollback by replay, over all KDA layers (DESIGN §11;
         `k3.model.cache.KDAInputs`): the pre-conv q|k|v inputs, k and v after the conv and the
         raw gate (model dtype), and beta (fp32) — against a snapshot per drafted position."""
         C = self.kda_heads * self.kda_head_dim

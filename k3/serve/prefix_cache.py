@@ -1,4 +1,4 @@
-"""Prefix cache over the page pool, with hash blocks decoupled from physical pages (SPEC §11).
+"""Prefix cache over the page pool, with hash blocks decoupled from physical pages (DESIGN §11).
 
 Keys are chained hashes: the key of a prefix ending at a hash-block boundary is
 H(previous key, tokens of the block); an endpoint inside a block (a prompt end, a chat-turn
@@ -201,7 +201,7 @@ class PrefixCache:
             snapshot_pages = [p for snap in entry.kda_pages or () for p in snap]
             if entry.kda_pages is not None:
                 # one layer's snapshot is gone: the checkpoint cannot be resumed from, so every
-                # sibling snapshot is released with it (SPEC §11)
+                # sibling snapshot is released with it (DESIGN §11)
                 entry.kda_pages = None
                 self._unuse(key, snapshot_pages)
                 self.stats.checkpoints_invalidated += 1

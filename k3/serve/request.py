@@ -2,7 +2,8 @@
 
 A request advances by one rule (vLLM v1): each step computes some of the tokens it knows but has
 not computed yet (`num_tokens - num_computed_tokens`); prefill, chunked prefill, decode and
-recompute after preemption are all that rule with different counts.
+recompute after preemption are all that rule with different counts. `fit_model_length` is the one
+check that a prompt and its max_tokens fit the model length (the API, the scheduler, `k3 chat`).
 """
 from __future__ import annotations
 
@@ -10,6 +11,30 @@ import enum
 from dataclasses import dataclass, field
 
 from k3.serve.sampling import SampledToken, SamplingParams
+
+
+class ContextLengthError(ValueError):
+    """A prompt, with the tokens it asks for, that does not fit the model length. `prompt_fills`: the
+    prompt alone leaves no room for a token (the API blames the prompt, else max_tokens)."""
+
+    def __init__(self, message: str, *, prompt_fills: bool):
+        super().__init__(message)
+        self.prompt_fills = prompt_fills
+
+
+def fit_model_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The one "prompt + max_tokens fits the model" check (the API, the scheduler, `k3 chat`): the
+    max_tokens a request of `prompt_len` tokens runs with, `max_tokens` itself or, when None, all the
+    room the model length leaves. Raises ContextLengthError when the prompt leaves no room (unless
+    max_tokens is 0: a prompt only scored may fill the model) or prompt + max_tokens exceeds it."""
+    room = max_model_len - prompt_len
+    if room < 1 and max_tokens != 0:
+        raise ContextLengthError(f"the prompt ({prompt_len} tokens) fills the model length ({max_model_len})",
+                                 prompt_fills=True)
+    if max_tokens is not None and max_tokens > room:
+        raise ContextLengthError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model length "
+                                 f"({max_model_len})", prompt_fills=False)
+    return room if max_tokens is None else max_tokens
 
 
 class RequestStatus(enum.Enum):
@@ -28,7 +53,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class MediaSpan:
-    """An image's placeholder run in a prompt: its pixels enter the model there (SPEC §7)."""
+    """An image's placeholder run in a prompt: its pixels enter the model there (DESIGN §7)."""
     offset: int  # prompt position of the first placeholder
     length: int  # placeholders: the image's merged rows
     digest: bytes  # a hash of its tower input (k3.serve.api.images.media_digest)

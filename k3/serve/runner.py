@@ -151,7 +151,7 @@ class ModelRunner:
         return out
 
     def _embed(self, ids: torch.Tensor, starts: list[int], media: dict[int, list[tuple[int, torch.Tensor]]]):
-        """The packed step's input embeddings, image rows over their placeholders (SPEC §7)."""
+        """The packed step's input embeddings, image rows over their placeholders (DESIGN §7)."""
         embeds = self.model.model.embed_tokens(ids)
         for n, rows in media.items():
             index = torch.tensor([starts[n] + i for i, _ in rows], device=self.device)
@@ -502,7 +502,7 @@ class ModelRunner:
                    starts: list[int], computed: list[int], rows: list[int]) -> None:
         """Each speculating request's KDA states become the states after its verified tokens only:
         replayed from its state pages (still the state before this step) over the kept inputs of
-        those tokens (SPEC §11), never a state saved per drafted position."""
+        those tokens (DESIGN §11), never a state saved per drafted position."""
         conv, recurrent = self.read_snapshots([r.state_pages[j] for j in range(len(self._kda_layers)) for r in spec])
         conv, recurrent = conv.view(-1, len(spec), *self._conv_shape), recurrent.view(-1, len(spec), *self._state_shape)
         before = [KDAState(conv[j], recurrent[j]) for j in range(len(self._kda_layers))]

@@ -1,7 +1,7 @@
 """Per-request sampling parameters and the batched sampler (tensor code, called by the runner).
 
-Token selection reuses `k3.generation.generate.sample_next` (greedy rows in one batch, on the logits'
-device, as `generate` picks them; the others row by row), so greedy serving is the model's own
+Token selection is `k3.sampling.sample_next` (greedy rows in one batch, on the logits' device, as
+the reference `generate` picks them; the others row by row), so greedy serving is the model's own
 `generate` by construction; each request may bring its own seed (its own generator,
 so its samples do not depend on what else is in the batch). Logprobs are of the model's raw
 distribution (before temperature / top-k / top-p), as in the OpenAI API, unless the request asks
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3.generation.generate import GREEDY_BELOW, MAX_TEMPERATURE, sample_next
+from k3.sampling import GREEDY_BELOW, check_sampling, sample_next
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,7 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise ValueError(f"max_tokens must be >= 1 (0 only to score a prompt), got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        check_sampling(self.temperature, self.top_p, self.top_k)
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from k3.serve.cache_manager import CacheManager, PagePlan
-from k3.serve.request import Request, RequestStatus
+from k3.serve.request import Request, RequestStatus, fit_model_length
 from k3.serve.sampling import SampledToken
 
 
@@ -88,10 +88,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        total = request.num_prompt_tokens + request.sampling.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                             f"({request.sampling.max_tokens}) = {total} exceeds the model length {self.max_model_len}")
+        fit_model_length(request.num_prompt_tokens, request.sampling.max_tokens, self.max_model_len)
         if len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests waiting (bound {self.max_waiting})")
         self.waiting.append(request)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.generation.generate import sampling_probs
+from k3.sampling import sampling_probs
 from k3.serve.sampling import SampledToken, SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The draft side of speculative decoding (SPEC §11, §12.5): each running sequence's draft state,
+"""The draft side of speculative decoding (DESIGN §11, §12.5): each running sequence's draft state,
 proposing k tokens, and advancing the draft over the tokens the target verified.
 
 Per sequence the draft keeps its KDA state (conv tails + recurrent state, `k3.model.draft`) after
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.generation.generate import sampling_probs
 from k3.model.cache import KDAState
 from k3.model.draft import EagleDraft, depth_features
+from k3.sampling import sampling_probs
 from k3.serve.sampling import SamplingParams
 
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from k3 import flops
 from k3.config import load_config
+from k3.model.params import count_parameters
 from k3.model.transformer import K3ForCausalLM
 from k3.parallel.sizing import GPUS, Layout, Workload, _SavedBytes, optimizer_rule, size_layout
 from k3.train.muon import PerHeadMuon, param_groups
@@ -57,6 +59,38 @@ def test_optimizer_rule_matches_param_groups():
         for group in param_groups(model, config, weight_decay=0.1):
             for name, p in zip(group["param_names"], group["params"]):
                 assert optimizer_rule(name, p) == group["kind"], f"{preset} {name}: {group['kind']}"
+
+
+def test_flop_model_is_the_stated_formula():
+    """docs/BENCHMARKS.md ("Method", "MFU"): 6 N_active + per MLA layer 3 T H (d_qk + d_v) + per KDA
+    layer 3 H (6 d^2 + 3 C d + C^2)."""
+    config, T = load_config("k3-1b"), 4096
+    got = flops.train_flops_per_token(config, T)
+    active = count_parameters(config)["active"]
+    assert round(active / 1e6, 1) == 253.1  # the figure docs/BENCHMARKS.md states
+    d, C, H = config.kda_head_dim, config.kda_chunk_size, config.kda_num_heads
+    parts = {"matmul_6N": 6 * active,
+             "mla_attention": config.num_mla_layers * 3 * T * config.num_attention_heads
+             * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim),
+             "kda_recurrence": config.num_kda_layers * 3 * H * (6 * d * d + 3 * C * d + C * C)}
+    assert got == {"active_params": active, **parts, "total": sum(parts.values())}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_plan_and_bench_count_flops_with_one_function(checkpointing):
+    """`k3 plan`'s compute time is tokens x k3.flops.train_flops_per_token (8/6 of it when the
+    forward is recomputed), and the GPU benchmark's MFU uses the same functions, not copies."""
+    import bench.gpu_bench as bench
+
+    for name in ("kda_flops_per_token", "causal_attention_flops", "mla_flops_per_token", "train_flops_per_token"):
+        assert getattr(bench, name) is getattr(flops, name), name
+    config, T = load_config("k3-tiny"), 128
+    work = Workload(seq_len=T, global_tokens=2 * T, checkpointing=checkpointing)
+    sizing = size_layout(config, Layout(dp=2), GPUS["cpu"], work)  # one sequence per GPU, no pipeline
+    passes = 8 if checkpointing else 6
+    expected = T * flops.train_flops_per_token(config, T)["total"] * passes / 6 / (GPUS["cpu"].bf16_tflops * 1e12
+                                                                                    * work.mfu)
+    assert sizing.micro_batches == 1 and sizing.time["compute"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_plan_cli_tiny(capsys):

@@ -1,4 +1,4 @@
-"""The server against a hostile client (issue #29): no request parameter can fail a batch-mate or
+"""The server against a hostile client: no request parameter can fail a batch-mate or
 stop the engine, stop strings and bodies are bounded (400 / 413, the key checked before the body is
 read), tokenization leaves the event loop free, odd input is a 400 (lone surrogates, deep nesting,
 bools as ints, invalid tool schemas), 405 keeps `Allow`, the OpenAPI schema promises 400 (not

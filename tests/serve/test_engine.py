@@ -131,11 +131,13 @@ def test_models_of_one_mixer_kind_serve_like_generate(model, prompts, layers):
     assert engine.generate(prompts, GREEDY) == generate(one_kind, prompts, 4)
 
 
+@pytest.mark.slow  # dynamo traces every region for each batch shape: ~13 s on 2 cores
 def test_compiled_regions_change_no_token(model, prompts, reference, caplog):
     """EngineConfig.compile traces the norms, mixers, FFNs and AttnRes reads (the eager backend keeps
     this fast on CPU: what is checked is that serving through dynamo's graphs, prefill and decode,
     with every batch shape the scheduler makes, yields the same tokens, and that no region exhausts
-    its recompiles and silently falls back to eager)."""
+    its recompiles and silently falls back to eager). In the default run, tests/test_compile.py
+    checks the traced regions against eager (training, and decode writing the cache in place)."""
     engine = LLMEngine(copy.deepcopy(model), EngineConfig(block_size=4, hash_block_size=8, compile="eager"))
     with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
         assert engine.generate(prompts, GREEDY) == reference

@@ -1,4 +1,4 @@
-"""Images in the server (#24, SPEC §7): the unmodified `openai` client sends an image in a chat
+"""Images in the server (DESIGN §7): the unmodified `openai` client sends an image in a chat
 request and gets an answer; the prefix cache keys images by their pixels (the same image hits,
 another image of the same size does not); every bad image is a 400 in OpenAI's error shape; the
 engine's output with an image equals the multimodal model's own greedy continuation, whole or in

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness, unmodified, against a live `k3 serve` app (issue #20, acceptance 4).
+"""lm-evaluation-harness, unmodified, against a live `k3 serve` app.
 
 lm-eval 0.4.x runs as a library with its `local-completions` model (token-id requests, the served
 checkpoint's tokenizer.json through its huggingface backend) on three tasks written here from

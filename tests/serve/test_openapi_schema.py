@@ -1,4 +1,4 @@
-"""The published OpenAPI schema states what the server enforces (issue #58): every numeric bound of a
+"""The published OpenAPI schema states what the server enforces: every numeric bound of a
 request model as JSON Schema's minimum / maximum (exclusive ones too), exact, where it had pydantic's
 raw `ge` / `le` (which JSON Schema does not know) or FastAPI's floats; so a request the schema allows
 is one the server takes, and one the server refuses the schema refuses. /metrics is documented as the
@@ -94,7 +94,7 @@ def test_every_bound_the_server_enforces_is_published_exactly(schema):
             assert got == want, (name, field_name)
             if want:
                 bounded[f"{name}.{field_name}"] = want
-    # the fields the issue found published as ge / le, among the others
+    # the fields once published as ge / le, among the others
     for field in ("CompletionRequest.prompt", "CompletionRequest.logprobs", "CompletionRequest.max_tokens",
                   "CompletionRequest.seed", "ChatCompletionRequest.seed", "ChatCompletionRequest.max_tokens",
                   "ChatCompletionRequest.max_completion_tokens", "ChatCompletionRequest.top_logprobs",

@@ -1,4 +1,4 @@
-"""Prompt log-probabilities (issue #20): the scheduler's score ranges, the prefix-cache bypass and a
+"""Prompt log-probabilities: the scheduler's score ranges, the prefix-cache bypass and a
 preemption's recompute on exact ids; the engine's scores against `log_softmax` of the model's own
 logits through chunked prefill, decode-slot steps and a preemption; and `/v1/completions` with
 echo + logprobs (vLLM's legacy shape, max_tokens 0 or more) against the same reference, for prompts

@@ -1,4 +1,4 @@
-"""A request with both Content-Length and Transfer-Encoding (issue #58) gets a prompt 400 in OpenAI's
+"""A request with both Content-Length and Transfer-Encoding gets a prompt 400 in OpenAI's
 error JSON, and the connection is closed: uvicorn's h11 read such a body as chunked, so a body sent
 framed by its Content-Length held the connection open with no reply. Raw sockets on loopback, with
 bounded timeouts."""

@@ -4,7 +4,7 @@ logprobs are of the raw distribution. Sampling is numerically safe for every val
 and a row that still fails (non-finite logits) fails alone."""
 import torch
 
-from k3.generation.generate import sample_next
+from k3.sampling import sample_next
 from k3.serve.sampling import Sampler, SamplingParams
 
 PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50, seed=3),

@@ -1,4 +1,4 @@
-"""Videos in the server (SPEC §7, docs/SERVING.md "Videos"): the unmodified `openai` client sends a
+"""Videos in the server (DESIGN §7, docs/SERVING.md "Videos"): the unmodified `openai` client sends a
 `video_url` part; the server samples its frames at the processor's `sample_fps`, prompts each
 4-frame clip with its start time before the clip's placeholders, and the reply equals the
 multimodal model's own greedy continuation of that prompt; the same video hits the prefix cache,

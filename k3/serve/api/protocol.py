@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from k3.generation.generate import MAX_TEMPERATURE
+from k3.sampling import MAX_TEMPERATURE
 from k3.serve.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from k3.text.tool_schema import compile_parameters
 

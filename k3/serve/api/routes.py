@@ -24,11 +24,12 @@ from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest, ErrorResponse
 from k3.serve.api.tool_calls import ToolCallChecker
-from k3.serve.engine import AsyncEngine, EngineError, RequestStream, StreamDelta
+from k3.serve.engine import AsyncEngine, EngineError, ImageInput, RequestStream, StreamDelta
+from k3.serve.request import ContextLengthError, fit_model_length
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
 from k3.text.tokenizer import encode_text
-from k3.text.xtml import XTML
+from k3.text.xtml import XTML, Rendered
 
 
 @dataclass
@@ -65,16 +66,14 @@ def _ctx(request: Request) -> ServingContext:
 # ---------------------------------------------------------------------- plumbing
 def _sampling(ctx: ServingContext, body, prompt_len: int, max_new: int | None, logprobs: int | None,
               stop_token_ids: list[int], prompt_logprobs: int | None = None) -> SamplingParams:
-    room = ctx.engine.engine.max_model_len - prompt_len
-    if room < 1 and max_new != 0:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) fills the model length "
-                            f"({ctx.engine.engine.max_model_len})", code="context_length_exceeded",
-                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
-    if max_new is not None and max_new > room:
-        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) exceeds the model length "
-                            f"({ctx.engine.engine.max_model_len})", param="max_tokens", code="context_length_exceeded")
     try:
-        return SamplingParams(max_tokens=room if max_new is None else max_new,
+        max_tokens = fit_model_length(prompt_len, max_new, ctx.engine.max_model_len)
+    except ContextLengthError as e:
+        prompt = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise APIError(400, str(e), code="context_length_exceeded",
+                       param=prompt if e.prompt_fills else "max_tokens") from None
+    try:
+        return SamplingParams(max_tokens=max_tokens,
                               temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, seed=body.seed,
                               stop=body.stop_list, stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos,
@@ -273,7 +272,7 @@ async def metrics(request: Request):
 async def models(request: Request):
     ctx = _ctx(request)
     return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
-                                        "owned_by": "k3", "max_model_len": ctx.engine.engine.max_model_len}]}
+                                        "owned_by": "k3", "max_model_len": ctx.engine.max_model_len}]}
 
 
 def _check_model(ctx: ServingContext, name: str) -> None:
@@ -339,10 +338,24 @@ async def completions(body: CompletionRequest, request: Request):
     return _streaming(sse(), handle)
 
 
-@router.post("/v1/chat/completions", responses=GENERATE_ERRORS)
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    ctx = _ctx(request)
-    t0 = time.monotonic()
+@dataclass
+class _PreparedChat:
+    """A chat request ready for the engine: its prompt, sampling, images, and the reply as the
+    client will see it (parsed, stop strings on the content, tool calls checked)."""
+    rendered: Rendered
+    params: SamplingParams
+    images: list[ImageInput]
+    checker: ToolCallChecker
+    reply: ChatReply
+
+    def finish_reason(self, d: StreamDelta) -> str:
+        return "tool_calls" if self.checker.calls and d.finish_reason == "stop" else d.finish_reason
+
+
+async def _prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> _PreparedChat:
+    """Validate a chat request, render its prompt (media decoded and the template applied off the
+    event loop) and build its sampling parameters and reply: every 4xx is raised here, before the
+    engine sees the request."""
     _check_model(ctx, body.model)
     if ctx.chat is None:
         raise APIError(400, "this model's tokenizer has no K3 chat markers; use /v1/completions")
@@ -354,9 +367,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         media, images = None, []
         if ctx.images is not None:  # decoded off the event loop: a large image or a video takes a while
             prepared = await asyncio.to_thread(prepare_media, messages, ctx.images, ctx.media_fetch,
-                                               ctx.engine.engine.max_model_len)
+                                               ctx.engine.max_model_len)
             messages = prepared.messages  # video parts expanded into timestamped clips
-            media = prepared.images.media(ctx.engine.engine.vision.config.media_placeholder_token_id)
+            media = prepared.images.media(ctx.engine.media_placeholder_token_id)
         rendered = await asyncio.to_thread(
             ctx.chat.render, messages,
             tools=tools if use_tools else None, reasoning_effort=body.reasoning_effort,
@@ -371,30 +384,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     # stop strings end the content the client sees (ChatReply), not the raw text with its tags
     checker = ToolCallChecker(tools, parallel=body.parallel_tool_calls is not False)
     reply = ChatReply(ctx.chat.parser_for(rendered), checker, params.stop)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    handle = _submit(ctx, rendered.token_ids, params, rid, boundaries=rendered.boundaries,
-                     eos_token_id=ctx.chat.end_of_msg, images=images, text_view=reply)
-    stream = _timed(ctx, handle, t0)
-    base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
+    return _PreparedChat(rendered, params, images, checker, reply)
 
-    def finish_reason(d: StreamDelta) -> str:
-        return "tool_calls" if checker.calls and d.finish_reason == "stop" else d.finish_reason
 
-    if not body.stream:
-        deltas = await _collect(stream, request, handle)
-        message = {"role": "assistant", "content": reply.content if reply.content or not checker.calls else None}
-        if reply.reasoning:
-            message["reasoning"] = message["reasoning_content"] = reply.reasoning
-        if checker.calls:
-            message["tool_calls"] = checker.calls
-        if checker.errors:
-            message["tool_call_errors"] = checker.errors
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason(deltas[-1]),
-                  "logprobs": _chat_logprobs(ctx.chat, deltas) if body.logprobs else None}
-        return {**base, "choices": [choice], "usage": _usage(deltas[-1])}
+async def _chat_whole(ctx: ServingContext, body: ChatCompletionRequest, chat: _PreparedChat, base: dict,
+                      stream: AsyncIterator[StreamDelta], http: Request, handle: RequestStream) -> dict:
+    """The whole reply as one chat.completion object."""
+    deltas = await _collect(stream, http, handle)
+    reply, checker = chat.reply, chat.checker
+    message = {"role": "assistant", "content": reply.content if reply.content or not checker.calls else None}
+    if reply.reasoning:
+        message["reasoning"] = message["reasoning_content"] = reply.reasoning
+    if checker.calls:
+        message["tool_calls"] = checker.calls
+    if checker.errors:
+        message["tool_call_errors"] = checker.errors
+    choice = {"index": 0, "message": message, "finish_reason": chat.finish_reason(deltas[-1]),
+              "logprobs": _chat_logprobs(ctx.chat, deltas) if body.logprobs else None}
+    return {**base, "choices": [choice], "usage": _usage(deltas[-1])}
 
+
+def _chat_stream(ctx: ServingContext, body: ChatCompletionRequest, chat: _PreparedChat, base: dict,
+                 stream: AsyncIterator[StreamDelta], handle: RequestStream) -> StreamingResponse:
+    """The reply as SSE chat.completion.chunk events: the role, then reasoning, content and tool
+    calls as they are parsed, the finish reason, optionally the usage, then [DONE]."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    base["object"] = "chat.completion.chunk"
+    base = {**base, "object": "chat.completion.chunk"}
+    reply, checker = chat.reply, chat.checker
 
     def chunk(delta: dict, reason: str | None = None, logprobs=None) -> str:
         c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
@@ -422,7 +438,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                     if d.finished:
                         if checker.errors:
                             yield chunk({"tool_call_errors": checker.errors})
-                        yield chunk({}, finish_reason(d))
+                        yield chunk({}, chat.finish_reason(d))
                         if include_usage:
                             yield _sse({**base, "choices": [], "usage": _usage(d)})
         except EngineError as e:  # the status line is sent: the error goes in the stream
@@ -430,3 +446,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         yield "data: [DONE]\n\n"
 
     return _streaming(sse(), handle)
+
+
+@router.post("/v1/chat/completions", responses=GENERATE_ERRORS)
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    ctx = _ctx(request)
+    t0 = time.monotonic()
+    chat = await _prepare_chat(ctx, body)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    handle = _submit(ctx, chat.rendered.token_ids, chat.params, rid, boundaries=chat.rendered.boundaries,
+                     eos_token_id=ctx.chat.end_of_msg, images=chat.images, text_view=chat.reply)
+    stream = _timed(ctx, handle, t0)
+    base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
+    if not body.stream:
+        return await _chat_whole(ctx, body, chat, base, stream, request, handle)
+    return _chat_stream(ctx, body, chat, base, stream, handle)
