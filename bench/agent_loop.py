@@ -1,4 +1,4 @@
-"""The agent loop of the SFT issue's acceptance, played with the unmodified `openai` client against
+"""The SFT agent loop, played with the unmodified `openai` client against
 a running `k3 serve --run <sft run>`: held-out tool prompts of the default SFT set, greedy, each
 asked streamed and not; the client runs the tool call the reply makes (k3/tasks/tools.py), sends the
 result and reads the final answer. Prints a line per prompt and a summary (docs/BENCHMARKS.md

@@ -7,7 +7,7 @@ over 64/128/256 simulated ranks, the max/mean rank load (pairs a rank runs / S*K
             per rank), planned from the previous batch's loads: a fresh sample of the same router
             distribution (its best case), and after the popularity drifted (a tenth of the experts
             swap ranks with others: what a static plan sees between re-plans);
-  - online: k3/parallel/ep_plan.plan_balanced on the batch's own loads (seeds §7.2);
+  - online: k3/parallel/ep_plan.plan_balanced on the batch's own loads (DESIGN §14.2);
 and the planning time per layer of each (median over batches; host, one core).
 `python -m bench.ep_balance --record RUN --out FILE` records per-micro-batch, per-layer expert
 loads of a trained run's checkpoint (the fixture tests/parallel/tiny_run_loads.json).

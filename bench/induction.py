@@ -14,7 +14,7 @@ showing falls towards 0. Training is next-token loss on every position, batch 16
 warmup then cosine (k3: `k3 train`'s optimizer and schedule; gpt: AdamW, constant after a
 20-step warmup). The GPTs are 2-layer pre-norm transformers, width 128, 4 heads, with or without
 rotary positions: the smallest model known to grow an induction head, with and without
-positional information in attention (K3's MLA has none: SPEC §4). `gpt-mla` is the rotary GPT
+positional information in attention (K3's MLA has none: DESIGN §4). `gpt-mla` is the rotary GPT
 with k3's GatedMLA (the `--config`'s dims, its decoupled RoPE on) in place of each attention:
 K3's attention alone in a frame known to copy, drawn with torch's default init or, with
 `--mla-std`, as K3 draws it (one normal std for every matrix).

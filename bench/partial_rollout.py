@@ -1,5 +1,5 @@
-"""Partial rollout (seeds §6.1.2): wall time per RL iteration with stop fraction 1 (synchronous) and
-lower, on the long-tailed arithmetic mix (issue #23 acceptance 3; docs/BENCHMARKS.md "RL").
+"""Partial rollout (DESIGN §13.2): wall time per RL iteration with stop fraction 1 (synchronous) and
+lower, on the long-tailed arithmetic mix (docs/BENCHMARKS.md "RL").
 
     python -m bench.partial_rollout --run SFT_RUN [--fractions 1.0,0.5] [--iterations 6]
                                     [--prompts 8] [--samples 8] [--max-tokens 192] [--json OUT]

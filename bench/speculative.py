@@ -1,5 +1,5 @@
 """Speculative decoding: decode throughput with and without the draft, and its mean acceptance
-length, at batch 1 and 8 (issue #25; docs/BENCHMARKS.md "Speculative decoding").
+length, at batch 1 and 8 (docs/BENCHMARKS.md "Speculative decoding").
 
     python -m bench.speculative --run RUN [--draft RUN/draft] [--k 4] [--new-tokens 128]
                                 [--device cpu|cuda] [--dtype float32|bfloat16] [--json OUT]

@@ -33,7 +33,7 @@ def run(args) -> int:
         print(f"k3 params: error: {e}", file=sys.stderr)
         return 2
     counts = count_parameters(config)
-    if vision_config is not None:  # a multimodal config.json: the encoder is counted apart (SPEC §7, §10)
+    if vision_config is not None:  # a multimodal config.json: the encoder is counted apart (DESIGN §7, §10)
         counts["vision"] = count_vision_parameters(vision_config)
     if args.json:
         print(json.dumps(counts, indent=2))

@@ -1,5 +1,5 @@
 """Regional torch.compile: each layer's token mixer and FFN compiled on its own, so are the
-RMSNorms in front of them and the final norm, and the Block AttnRes reads (SPEC §5) go through
+RMSNorms in front of them and the final norm, and the Block AttnRes reads (DESIGN §5) go through
 one compiled function.
 
 Why these regions and not whole decoder layers: a decoder layer's Block AttnRes bookkeeping

@@ -65,7 +65,7 @@ def test_unknown_preset():
         load_config("k3-huge")
 
 
-# ------------------------------------------------------------- transformers' native dialect (issue #20)
+# ------------------------------------------------------------- transformers' native dialect
 def _kimi_linear() -> dict:
     return json.loads(KIMI_LINEAR_CONFIG_JSON.read_text())
 

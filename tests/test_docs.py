@@ -15,7 +15,8 @@ import pytest
 from k3.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
-PATH_DOCS = ["README.md", "docs/ARCHITECTURE.md", "docs/KDA.md", "docs/BENCHMARKS.md"]
+PATH_DOCS = ["README.md", "docs/README.md", "docs/ARCHITECTURE.md", "docs/DESIGN.md", "docs/KDA.md",
+             "docs/BENCHMARKS.md"]
 BENCH_DOCS = ["README.md", "docs/ARCHITECTURE.md", "docs/BENCHMARKS.md", "docs/LOG.md"]
 # Verbs README may name before they exist, each with where it is planned; remove one once it ships.
 PLANNED_VERBS: dict[str, str] = {}  # verb -> the issue that will build it
@@ -24,6 +25,10 @@ PATH = re.compile(r"(?<![\w./-])((?:k3|tests|bench|docs)/[\w./{},*-]*)")
 MAP_ENTRY = re.compile(r"^( {0,12})([\w.{},/-]+)(?:\s|$)")
 DESCRIBED_FILE = re.compile(r"(?<![\w/.`])([\w/]+\.py)\b")
 CITATION = re.compile(r"\bruns? \d+|\b20\d\d-\d\d\b|gpu_runs/")
+# The outside documents the project once cited, and issue references ("#12", "#24's") in prose:
+# the repository cites its own docs (docs/DESIGN.md) and public papers or reports only.
+OUTSIDE_CITATION = re.compile(r"SPEC §|SPEC\.md|seeds §|(?<![\w&/])#\d{1,3}\b")
+SELF_CONTAINED_SUFFIXES = {".py", ".md", ".json", ".jinja", ".toml", ".txt", ".sh"}
 
 
 def expand_braces(path: str) -> list[str]:
@@ -34,7 +39,7 @@ def expand_braces(path: str) -> list[str]:
 
 
 def code_blocks(text: str) -> list[str]:
-    return re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+    return re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
 
 
 def map_paths(block: str) -> list[str]:
@@ -165,3 +170,31 @@ def test_benchmarks_holds_current_figures_only():
     """docs/BENCHMARKS.md is a table of current figures: findings go to docs/LOG.md, so it stays short."""
     lines = (ROOT / "docs/BENCHMARKS.md").read_text().count("\n")
     assert lines <= BENCHMARKS_MAX_LINES, f"docs/BENCHMARKS.md has {lines} lines (at most {BENCHMARKS_MAX_LINES})"
+
+
+def self_contained_files() -> list[Path]:
+    """The text files of k3/, bench/ and tests/ (this file aside: it names the patterns), docs/ and
+    README.md."""
+    files = [p for d in ("k3", "bench", "tests", "docs") for p in sorted((ROOT / d).rglob("*"))
+             if p.is_file() and p.suffix in SELF_CONTAINED_SUFFIXES and "__pycache__" not in p.parts]
+    return [p for p in files if p != Path(__file__).resolve()] + [ROOT / "README.md"]
+
+
+def test_no_outside_document_or_issue_is_cited():
+    """Code and docs cite docs/DESIGN.md ("DESIGN §N") and public sources, never a file outside the
+    repository ("SPEC §N", "seeds §N") or an issue number: a reader of the repository has neither."""
+    files = self_contained_files()
+    assert any(p.name == "DESIGN.md" for p in files) and any(p.suffix == ".py" for p in files)
+    hits = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+            for path in files
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+            if OUTSIDE_CITATION.search(line)]
+    assert not hits, "citations of outside documents or issue numbers:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("text, cited", [("SPEC §3", True), ("(seeds §6.1.2)", True), ("SPEC.md", True),
+                                         ("issue #23", True), ("#24's copying", True), ("fla issue #1240", False),
+                                         ("DESIGN §3", False), ("SPECIAL_TOKENS", False), ("over 3 seeds", False),
+                                         ("color #fff", False), ("[a](#section-2)", False), ("&#39;", False)])
+def test_outside_citation_pattern(text, cited):
+    assert bool(OUTSIDE_CITATION.search(text)) == cited

@@ -1,5 +1,5 @@
 """The published multimodal layout: K3ForConditionalGeneration to and from config.json + sharded
-safetensors + model.safetensors.index.json (SPEC §1, §7; docs/VISION.md).
+safetensors + model.safetensors.index.json (DESIGN §1, §7; docs/VISION.md).
 
 Three name prefixes, as moonshotai/Kimi-K3 ships them: `language_model.` (the text model's official
 names, routed experts split per expert: k3/checkpoint/official.py), `vision_tower.` and
@@ -84,7 +84,7 @@ def load_pretrained_multimodal(directory: str | Path, *, device=None, dtype: tor
                                config: K3MultimodalConfig | None = None) -> K3ForConditionalGeneration:
     """Build a K3ForConditionalGeneration from an official-layout folder (ours or the published
     one). Every tensor of the three prefixes must be present and no other: a mismatch is a
-    CheckpointMismatchError naming them. fp32-by-SPEC text tensors stay fp32 whatever `dtype` asks."""
+    CheckpointMismatchError naming them. fp32-by-design text tensors stay fp32 whatever `dtype` asks."""
     text_config, tensors = read_checkpoint(directory, dtype=dtype,
                                            config=None if config is None else config.text_config)
     config = config or K3MultimodalConfig.from_text_config(text_config)

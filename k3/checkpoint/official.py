@@ -1,5 +1,5 @@
 """HF-layout checkpoints: config.json + sharded safetensors + model.safetensors.index.json, with the
-official tensor names (SPEC §1: K3 `language_model.model.layers.{i}...`, Kimi Linear
+official tensor names (DESIGN §1: K3 `language_model.model.layers.{i}...`, Kimi Linear
 `model.layers.{i}...`). Our module names ARE the official names, so the mapping is one prefix plus
 two rules kept here: routed experts are stacked in memory (`experts.w1` [E, I, H]) and split per
 expert in files (`experts.{e}.w1.weight`, k3/model/experts.py), and `_ALIASES` accepts the other
@@ -23,7 +23,7 @@ _EXPERT_FILE_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
 
 # Other spellings of official tensors, mapped to ours. transformers 5.24 writes Kimi-Linear
 # checkpoints in the official layout (it splits its fused conv and expert tensors back on save)
-# except for the dense layer-0 MLP, which it writes under `block_sparse_moe.` (SPEC §6 note).
+# except for the dense layer-0 MLP, which it writes under `block_sparse_moe.` (DESIGN §6 note).
 _ALIASES = [
     (re.compile(r"^(.*layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$"), r"\1mlp.\2"),
 ]

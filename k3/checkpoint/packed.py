@@ -1,9 +1,9 @@
-"""The official MXFP4 checkpoint layout: compressed-tensors `mxfp4-pack-quantized` (SPEC §1, §9).
+"""The official MXFP4 checkpoint layout: compressed-tensors `mxfp4-pack-quantized` (DESIGN §1, §9).
 
 Per routed-expert linear `...block_sparse_moe.experts.{e}.w{1,2,3}` (out x in):
     weight_packed  uint8 [out, in/2]    E2M1 nibbles, even element in the low nibble, bit 3 = sign
     weight_scale   uint8 [out, in/32]   E8M0 codes, e = ceil(log2(amax / 6)) (never saturates)
-Every other tensor is bf16 (the fp32-by-SPEC A_log, dt_bias and router bias stay fp32, as
+Every other tensor is bf16 (the fp32-by-design A_log, dt_bias and router bias stay fp32, as
 `load_pretrained` keeps them), and config.json's `text_config.quantization_config` is the
 published block. The layout is the one compressed-tensors' `pack_fp4_to_uint8` writes (its
 `MXFP4PackedCompressor` registers this format name) and vLLM's `CompressedTensorsW4A16Mxfp4` reads:

@@ -50,7 +50,7 @@ class K3ForCausalLM(transformer.K3ForCausalLM):
         in eval mode. Reads every layout `load_pretrained` reads: ours, the official K3 one
         (`language_model.` prefix, sharded with an index, vision tensors skipped), MXFP4-packed
         experts, and Kimi-Linear written by transformers in either config dialect. `dtype`: None or
-        "auto" keeps the stored dtype (fp32-by-SPEC tensors stay fp32 whatever it asks)."""
+        "auto" keeps the stored dtype (fp32-by-design tensors stay fp32 whatever it asks)."""
         folder = resolve_checkpoint(path)
         device = None if device is None else torch.device(device)
         return load_pretrained(folder, dtype=_dtype(dtype), device=device, model_class=cls).eval()
@@ -65,7 +65,7 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
     """Build a K3ForCausalLM from an HF-layout directory: ours, the official layout (incl. the
     MXFP4 `mxfp4-pack-quantized` routed experts, dequantized at load by k3/quant), or one written by
     transformers' KimiLinearForCausalLM. Every parameter must be present: missing or unexpected
-    tensors are an error naming them. fp32-by-SPEC tensors stay fp32 whatever `dtype` asks.
+    tensors are an error naming them. fp32-by-design tensors stay fp32 whatever `dtype` asks.
     `model_class` (default `k3.K3ForCausalLM`, below) is the class built;
     `K3ForCausalLM.from_pretrained` is this function."""
     model_class = model_class or K3ForCausalLM
@@ -104,7 +104,7 @@ def read_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
 def assign_checkpoint(model, tensors: dict[str, torch.Tensor], directory: str | Path, *, device=None,
                       dtype: torch.dtype | None = None) -> None:
     """Fill a meta-built `model` with `tensors` (its own state-dict names): every name present and
-    no other, shapes equal; fp32-by-SPEC tensors stay fp32 whatever `dtype` asks."""
+    no other, shapes equal; fp32-by-design tensors stay fp32 whatever `dtype` asks."""
     expected = set(model.state_dict().keys())
     fp32 = fp32_tensor_names(model)
     missing, unexpected = expected - set(tensors), set(tensors) - expected

@@ -2,7 +2,7 @@
 
 For each MoE layer and each expert matrix kind (w1 gate, w3 up, w2 down), the relative error
 RMSE(W - Q(W)) / RMSE(W) over all of that layer's experts together, plus the worst single
-expert matrix; Q is the checkpoint quantizer (MXFP4, K3 ceil rule, SPEC §9). Computed in fp64.
+expert matrix; Q is the checkpoint quantizer (MXFP4, K3 ceil rule, DESIGN §9). Computed in fp64.
 """
 from __future__ import annotations
 

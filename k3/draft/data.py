@@ -1,4 +1,4 @@
-"""The draft's training data: the target's own outputs (SPEC §12.5; EAGLE trains on what the
+"""The draft's training data: the target's own outputs (DESIGN §12.5; EAGLE trains on what the
 target generates, not on the corpus, since at serving time the draft must predict the target).
 
 Prompts are short windows of the run's training text; the target continues each, greedily for

@@ -1,4 +1,4 @@
-"""Training the EAGLE-3-style draft on the frozen target (SPEC §12.5, seeds §4.9).
+"""Training the EAGLE-3-style draft on the frozen target (DESIGN §12.5).
 
 Per batch of target outputs x [B, T]: the target (no gradient) gives its distributions p and its
 depth representations; the draft consumes the pairs (fused representation at t, token t+1) and
@@ -33,7 +33,7 @@ class DraftSettings:
     prompt_len: int = 16
     num_sequences: int = 768  # target outputs generated once, up front
     sampled_fraction: float = 0.5  # the rest are greedy continuations
-    unroll: int = 7  # draft steps per anchor (SPEC §12.5): 1 on the target's representation + 6 on its own
+    unroll: int = 7  # draft steps per anchor (DESIGN §12.5): 1 on the target's representation + 6 on its own
     anchor_every: int = 16  # pairs per training segment: unrolled chains start at each segment's end
     lr: float = 3e-3
     weight_decay: float = 0.0

@@ -1,4 +1,4 @@
-"""Images and videos to the vision tower's packed patches (SPEC §7, docs/VISION.md).
+"""Images and videos to the vision tower's packed patches (DESIGN §7, docs/VISION.md).
 
 `ImageProcessor` turns PIL images, and videos given as lists of PIL frames, into what
 `k3.model.vision.VisionModel` takes: `pixel_values [L, 3, P, P]` (float32) and `grid_thws [N, 3]`

@@ -1,4 +1,4 @@
-"""Videos to the frames the vision tower sees (SPEC §7): decoding, the official frame sampling at
+"""Videos to the frames the vision tower sees (DESIGN §7): decoding, the official frame sampling at
 `sample_fps`, and the clips with their timestamp prompts.
 
 The official rule, as Kimi-K2.5's processor (`KimiK25VisionProcessor.split_video_chunks` and

@@ -1,11 +1,11 @@
-"""Block Attention Residuals (SPEC §5, arXiv 2603.15031). S sources, B batch, T tokens, D width.
+"""Block Attention Residuals (DESIGN §5, arXiv 2603.15031). S sources, B batch, T tokens, D width.
 
 Instead of summing every sublayer's output into one residual stream, the model keeps the
 embedding and one running sum per finished block of `attn_res_block_size` layers, and each
 sublayer (and the final read) takes a softmax-weighted mix of those sources plus the running
 partial sum of the current block. Scores use RMS-normalized sources against a learned
 pseudo-query (`*_res_proj`, zero-initialized so every read starts as the uniform average) times
-the norm weight (`*_res_norm.weight`), with no 1/sqrt(d). All in fp32 (SPEC §5).
+the norm weight (`*_res_norm.weight`), with no 1/sqrt(d). All in fp32 (DESIGN §5).
 
 A source's normalized key is never materialized: RMSNorm(V) . (w * q) = rstd(V) * (V . (w * q)),
 so a finished block keeps only its value and its per-token rstd ([B, T, 1]). A [B, T, D] fp32 key

@@ -1,4 +1,4 @@
-"""Decode-state containers: what a sequence carries between forward calls (SPEC §3, §4).
+"""Decode-state containers: what a sequence carries between forward calls (DESIGN §3, §4).
 
 N sequences, H heads, K key dim, V value dim, C = H*K conv channels, W conv width,
 S the MLA buffer's capacity in tokens, L+R = kv_lora_rank + qk_rope_head_dim.
@@ -32,7 +32,7 @@ MLA_CAPACITY_STEP = 256
 class KDAInputs:
     """A forward's per-token KDA inputs, kept on request (`KDAState.record`) so the state can be
     rebuilt later for a prefix of the tokens from the state before them (speculative decoding's
-    rollback, SPEC §11): the pre-conv q|k|v projections [B, T, 3C] (for the conv tails), and
+    rollback, DESIGN §11): the pre-conv q|k|v projections [B, T, 3C] (for the conv tails), and
     the op's k and v after the conv [B, T, H, K|V], raw gate projections [B, T, H, K] and beta
     [B, T, H] (for the recurrence)."""
     conv_inputs: torch.Tensor | None = None
@@ -49,7 +49,7 @@ class KDAInputs:
 @dataclass
 class KDAState:
     conv: torch.Tensor  # [N, 3C, W-1], model dtype
-    recurrent: torch.Tensor  # [N, H, K, V], fp32 always (SPEC §3: keep the state in fp32)
+    recurrent: torch.Tensor  # [N, H, K, V], fp32 always (DESIGN §3: keep the state in fp32)
     record: KDAInputs | None = None  # set: the next forward stores its per-token inputs here
 
     @classmethod

@@ -1,5 +1,5 @@
 """The speculative draft: one EAGLE-3-style layer over the target's depth representations
-(SPEC §12.5; seeds §4.9).
+(DESIGN §12.5).
 
 K3's release has no MTP head (`num_nextn_predict_layers = 0`), so the draft is a separate module
 that reads the frozen target. At a position t the target gives three representations along depth:
@@ -59,7 +59,7 @@ class EagleDraft(nn.Module):
     def reset_parameters(self) -> None:
         D, std = self.config.hidden_size, self.config.initializer_range
         self.fuse.weight.zero_()
-        self.fuse.weight[:, 2 * D:] = torch.eye(D)  # pass the high representation through (SPEC §12.5)
+        self.fuse.weight[:, 2 * D:] = torch.eye(D)  # pass the high representation through (DESIGN §12.5)
         nn.init.normal_(self.input_proj.weight, 0.0, std)
         self.input_proj.weight[:, D:] += torch.eye(D)  # and carry it into the layer's residual stream
         self.self_attn.reset_parameters()

@@ -1,12 +1,12 @@
-"""Kimi Delta Attention layer (SPEC §3): the linear-attention mixer of the KDA layers.
+"""Kimi Delta Attention layer (DESIGN §3): the linear-attention mixer of the KDA layers.
 
 B batch, T tokens, D hidden, H heads, K head dim (= value dim), C = H*K, W conv width,
 N sequences (B, or len(cu_seqlens) - 1 when packed).
 
-Parameter names and shapes are the official checkpoint's (SPEC §3). Checked against
+Parameter names and shapes are the official checkpoint's (DESIGN §3). Checked against
 transformers 5.24 `models/kimi_linear/modeling_kimi_linear.py` (KimiLinearDeltaAttention,
 KimiLinearForgetGate, KimiLinearRMSNormGated), vLLM `model_executor/layers/kda.py` (Kimi Linear)
-and vLLM `models/kimi_k3/nvidia/kda.py` (K3); they agree with SPEC §3 on:
+and vLLM `models/kimi_k3/nvidia/kda.py` (K3); they agree with DESIGN §3 on:
 - q/k/v = SiLU(depthwise causal conv(proj x)), q/k L2-normalized over the head dim with eps 1e-6
   (fla's `l2norm`: x / sqrt(sum x^2 + eps)), scale K^-1/2, beta = sigmoid(b_proj x);
 - forget gate z = f_b(f_a(x)) + dt_bias in fp32; Kimi Linear g = -exp(A_log) * softplus(z);
@@ -40,7 +40,7 @@ def a_log_shape(config: K3Config) -> tuple[int, ...]:
     """A_log in the official checkpoint shape of each family.
     Kimi Linear stores [1, 1, H, 1] (transformers KimiLinearForgetGate, vLLM layers/kda.py);
     K3 stores [H] (vLLM kimi_k3 `a_log_weight_loader`: "current 1D", 4-D is the old layout;
-    SPEC §12.3). The lower-bounded gate is what tells the families apart in the config."""
+    DESIGN §12.3). The lower-bounded gate is what tells the families apart in the config."""
     H = config.kda_num_heads
     return (H,) if config.gate_lower_bound is not None else (1, 1, H, 1)
 
@@ -89,7 +89,7 @@ class KimiDeltaAttention(KeepsFP32):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
         self.o_norm.reset_parameters()
         # A_log: 0 (decay rate 1) under the lower-bounded gate, log U(1, 16) under softplus — as
-        # fla / transformers Glm5Next and KimiLinear `_init_weights` do (SPEC §12.3).
+        # fla / transformers Glm5Next and KimiLinear `_init_weights` do (DESIGN §12.3).
         if self.config.gate_lower_bound is not None:
             nn.init.zeros_(self.A_log)
         else:
@@ -133,7 +133,7 @@ class KimiDeltaAttention(KeepsFP32):
         (q, k, v), tails = self.short_convs(x, cu_seqlens, state)
         beta = torch.sigmoid(self.b_proj(x).float())
         g_raw, _ = self.forget_gate(x)
-        if state is not None and state.record is not None:  # kept for a replay (SPEC §11)
+        if state is not None and state.record is not None:  # kept for a replay (DESIGN §11)
             record = state.record
             record.k, record.v, record.g_raw, record.beta = k, v, g_raw, beta
         return (q, k, v, g_raw, beta), tails

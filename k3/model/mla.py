@@ -1,10 +1,10 @@
-"""Gated Multi-head Latent Attention with NoPE (SPEC §4).
+"""Gated Multi-head Latent Attention with NoPE (DESIGN §4).
 
 Legend: B batch, T new tokens, S keys (cached + new), H heads, L kv_lora_rank (512), R the
 unrotated key slot qk_rope_head_dim (64), N qk_nope_head_dim (128), V v_head_dim (128).
 
 K3 uses no RoPE anywhere (position comes from KDA), but keeps the 64-d `k_pe` slot and the
-(N+R)^-1/2 scale so checkpoints match the DeepSeek/Kimi layout (SPEC §12.4). The decode cache
+(N+R)^-1/2 scale so checkpoints match the DeepSeek/Kimi layout (DESIGN §12.4). The decode cache
 per token and layer is only the normalized latent c (L) and k_pe (R).
 
 `mla_use_nope: false` (no published K3 or Kimi Linear config sets it; an ablation, docs/LOG.md
@@ -40,7 +40,7 @@ from k3.model.norm import RMSNorm
 from k3.ops import batch_invariant
 from k3.ops.varlen import seq_lengths
 
-# The official code gives the two latent norms eps 1e-6, unlike every other norm (SPEC §3).
+# The official code gives the two latent norms eps 1e-6, unlike every other norm (DESIGN §3).
 MLA_LATENT_NORM_EPS = 1e-6
 
 # Attention with a mask only happens against a cache (a first prefill into it, prefill after a

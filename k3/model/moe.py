@@ -1,9 +1,9 @@
-"""Stable LatentMoE and its sigmoid top-k router (SPEC §6). Module name in a layer: `block_sparse_moe`.
+"""Stable LatentMoE and its sigmoid top-k router (DESIGN §6). Module name in a layer: `block_sparse_moe`.
 
 N tokens (B*T flattened), D hidden width, L latent width (routed_expert_hidden_size), E experts,
 k experts per token, I expert intermediate width.
 
-    s   = sigmoid(gate(x))                              # router reads FULL-width x, fp32 (§12.2)
+    s   = sigmoid(gate(x))                              # router reads FULL-width x, fp32 (DESIGN §12.2)
     idx = topk(s + e_score_correction_bias, k)          # the bias only selects
     p   = s[idx] / sum(s[idx]) * routed_scaling_factor  # renormalized when moe_renormalize
     z   = routed_expert_down_proj(x)                    # D -> L
@@ -34,7 +34,7 @@ class MoEGate(KeepsFP32):
 
     In training mode it accumulates (detached) what balancing needs over every forward since the
     last `balance_step` — all micro-batches of one optimizer step, since QB balances the step's m
-    tokens (SPEC §6): `last_scores` [N, E] fp32 and `expert_load` [E] int64 (tokens per expert).
+    tokens (DESIGN §6): `last_scores` [N, E] fp32 and `expert_load` [E] int64 (tokens per expert).
     """
 
     FP32_TENSORS = ("weight", "e_score_correction_bias")
@@ -70,7 +70,7 @@ class MoEGate(KeepsFP32):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert indices [N, k] int64)."""
-        with torch.autocast(x.device.type, enabled=False):  # SPEC §6: the router runs in fp32, autocast or not
+        with torch.autocast(x.device.type, enabled=False):  # DESIGN §6: the router runs in fp32, autocast or not
             scores = torch.sigmoid(F.linear(x.float(), self.weight))
         idx = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, idx)
@@ -93,7 +93,7 @@ class MoEGate(KeepsFP32):
 
 
 class StableLatentMoE(nn.Module):
-    """The `block_sparse_moe` FFN of layers >= first_k_dense_replace (SPEC §6)."""
+    """The `block_sparse_moe` FFN of layers >= first_k_dense_replace (DESIGN §6)."""
 
     def __init__(self, config: K3Config):
         super().__init__()

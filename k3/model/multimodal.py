@@ -1,5 +1,5 @@
 """K3ForConditionalGeneration: the vision encoder beside the text model, images spliced into the
-token stream (SPEC §7; docs/VISION.md).
+token stream (DESIGN §7; docs/VISION.md).
 
 Legend: B batch, T tokens, D text width, L packed patches, M merged image rows, P patch size.
 The module tree is the published checkpoint's (`vision_tower.*`, `mm_projector.*`,

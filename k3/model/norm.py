@@ -1,4 +1,4 @@
-"""Normalizations (SPEC §3-5). B batch, T tokens, D width.
+"""Normalizations (DESIGN §3-5). B batch, T tokens, D width.
 
 RMSNorm normalizes in fp32, casts back to the input dtype, then applies the weight in that dtype,
 in this order as the official Kimi-Linear/DeepSeek RMSNorm does (`weight * x.to(input_dtype)`), so

@@ -1,4 +1,4 @@
-"""Parameter accounting (SPEC §10); the `k3 params` verb is k3/params_cli.py.
+"""Parameter accounting (DESIGN §10); the `k3 params` verb is k3/params_cli.py.
 
 Convention (stated, and printed by the tool):
 - total   = every tensor of the text model at its unquantized shape (vision encoder excluded);
@@ -6,7 +6,7 @@ Convention (stated, and printed by the tool):
             routed experts) - the input embedding table (a lookup, not a matmul); lm_head counts.
 The model is built on the meta device, so the official 2.78T config counts in seconds.
 A config with a `vision_config` (the published multimodal one) also counts the vision encoder, tower
-and projector apart (SPEC §7), outside the text total.
+and projector apart (DESIGN §7), outside the text total.
 """
 from __future__ import annotations
 

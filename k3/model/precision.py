@@ -1,4 +1,4 @@
-"""Tensors that stay fp32 whatever dtype the model is cast to (SPEC §3, §6).
+"""Tensors that stay fp32 whatever dtype the model is cast to (DESIGN §3, §6).
 
 The router (`gate.weight`, `gate.e_score_correction_bias`) and the KDA decay parameters (`A_log`,
 `dt_bias`) feed exponentials and top-k margins a few 1e-3 apart: bf16 would move which experts

@@ -1,4 +1,4 @@
-"""Gated-linear-unit FFNs: the SiTU-GLU activation and the two FFN modules (SPEC §6).
+"""Gated-linear-unit FFNs: the SiTU-GLU activation and the two FFN modules (DESIGN §6).
 
 N tokens (any leading dims), D input width, I intermediate width.
 
@@ -8,7 +8,7 @@ which is why K3 uses it for every FFN; near 0 tanh(x/b)*b ~ x, so it reduces to 
 `hidden_act == "silu"` (Kimi-Linear) is the plain SwiGLU silu(g)*u. Both are computed in fp32
 (the official code does SiTU in fp32) and cast back to the input dtype.
 
-Parameter names are the official checkpoint's (SPEC §6): `gate_proj/up_proj/down_proj` for the
+Parameter names are the official checkpoint's (DESIGN §6): `gate_proj/up_proj/down_proj` for the
 dense layer-0 MLP and the shared experts; the routed experts (`w1 (gate) / w3 (up) / w2 (down)`)
 are stacked in k3/model/experts.py.
 """
@@ -27,7 +27,7 @@ GLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU g'*u' (SPEC §6); bounded by beta1*beta2 in absolute value."""
+    """SiTU-GLU g'*u' (DESIGN §6); bounded by beta1*beta2 in absolute value."""
     dtype = gate.dtype
     g, u = gate.float(), up.float()
     g = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)

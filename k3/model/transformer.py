@@ -1,4 +1,4 @@
-"""The K3 text model: decoder layers, Block AttnRes bookkeeping, the LM head (SPEC §2, §5).
+"""The K3 text model: decoder layers, Block AttnRes bookkeeping, the LM head (DESIGN §2, §5).
 
 Legend: B batch, T tokens, D hidden, V vocab. Module and parameter names are the official
 checkpoint's (`model.layers.{i}.self_attn...`, `model.output_attn_res_proj`, `lm_head`), so the
@@ -51,7 +51,7 @@ class K3DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, blocks: list[BlockSource] | None = None, cu_seqlens=None, state=None):
         """One layer. Plain pre-norm residual when the model has no AttnRes (`blocks` is None);
-        otherwise the Block AttnRes bookkeeping of SPEC §5: `h` is the running `prefix` (the partial
+        otherwise the Block AttnRes bookkeeping of DESIGN §5: `h` is the running `prefix` (the partial
         sum of the current block), returned updated, and `blocks` grows when this layer opens a
         block. One entry point, so FSDP2 units and activation checkpointing wrap whole layers."""
         if blocks is None:
@@ -88,7 +88,7 @@ class K3Model(nn.Module):
         the last norm). `depth_taps`, a list:
         filled with the representations along depth [B, T, D] (fp32): the AttnRes sources (the
         embedding, then each finished block) and the last block's sum, or without AttnRes the
-        residual stream after each layer (what a speculative draft reads, SPEC §12.5)."""
+        residual stream after each layer (what a speculative draft reads, DESIGN §12.5)."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         states = cache.layers if cache is not None else [None] * len(self.layers)
         blocks: list[BlockSource] | None = None if self.config.attn_res_block_size is None else []
@@ -118,7 +118,7 @@ class K3ForCausalLM(nn.Module):
     def reset_parameters(self) -> None:
         """normal(0, initializer_range) for matrices and embeddings, ones for norms, each mixer's
         and MoE's own rules for their special parameters; AttnRes pseudo-queries stay ZERO so every
-        read starts as the uniform average (SPEC §5)."""
+        read starts as the uniform average (DESIGN §5)."""
         std = self.config.initializer_range
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -139,7 +139,7 @@ class K3ForCausalLM(nn.Module):
         """input_ids [B, T] -> logits [B, T, V] in fp32.
 
         inputs_embeds [B, T, D], instead of input_ids: the embedded tokens as they enter layer 0 (the
-        multimodal model's image rows in place of placeholders, k3/model/multimodal.py; SPEC §7).
+        multimodal model's image rows in place of placeholders, k3/model/multimodal.py; DESIGN §7).
 
         cu_seqlens [N+1] (B == 1): packed documents. cache: N sequences continued in place
         (N = B, or len(cu_seqlens) - 1). attention_mask [B, T] (1 = token): padded rows; pad

@@ -4,7 +4,7 @@ Floating-point results of a fast kernel depend on the shape it is called with: t
 matrix-vector path for 1-3 rows and a blocked GEMM for more, softmax takes a scalar path for rows
 shorter than a vector, and a few vectorized element-wise ops (sigmoid, silu, softplus, gelu) round
 a tensor's tail elements differently from its body. So a token decoded alone, in a batch of eight, or verified
-beside its drafts (SPEC §11) lands on logits a few ulp apart, and a near-tied MoE route or argmax
+beside its drafts (DESIGN §11) lands on logits a few ulp apart, and a near-tied MoE route or argmax
 turns that into a different token (docs/LOG.md, "Speculative decoding").
 
 Inside `batch_invariant()` every such op is called in one shape class only, whatever the batch:

@@ -1,4 +1,4 @@
-"""RMS normalization without a weight, the formula every RMSNorm in k3 shares (SPEC §3-5)."""
+"""RMS normalization without a weight, the formula every RMSNorm in k3 shares (DESIGN §3-5)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Context parallelism: one long packed row split along time over a CP group (seeds §7.1).
+"""Context parallelism: one long packed row split along time over a CP group (DESIGN §14.1).
 
 R ranks, T tokens in the row (T = R*t, rank r holds tokens [r t, (r+1) t)), H heads, K head dim
 (= V), W conv width, D hidden. Documents (`cu_seqlens` of the whole row) may cross rank

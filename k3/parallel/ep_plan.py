@@ -1,4 +1,4 @@
-"""Perfectly balanced expert placement, planned online from the router's output (MoonEP, seeds §7.2).
+"""Perfectly balanced expert placement, planned online from the router's output (MoonEP, DESIGN §14.2).
 
 E experts, R ranks, S tokens per rank, K experts per token, T = S*K token-expert pairs per rank.
 Every expert has a home rank holding its weights (contiguous blocks, sizes differ by at most one,

@@ -7,7 +7,7 @@ E experts, R ranks, P = E + redundant physical slots, P/R per rank. From a recen
 The placement is then used for later batches, whose pairs split evenly over each expert's copies
 (k3/parallel/ep_plan.plan_static); rank loads are balanced only as far as the recent load
 predicts the current one. MoonEP's online plan (k3/parallel/ep_plan.plan_balanced) replaces the
-prediction with the actual router output (seeds §7.2).
+prediction with the actual router output (DESIGN §14.2).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Expert parallelism: routed experts sharded over an EP group, tokens moved by all-to-all (seeds §7.2).
+"""Expert parallelism: routed experts sharded over an EP group, tokens moved by all-to-all (DESIGN §14.2).
 
 N tokens on this rank, k experts per token, E experts, R EP ranks (E % R == 0, E/R home experts
 each), H expert width, G guest slots (copies of other ranks' experts for this micro-batch).

@@ -1,4 +1,4 @@
-"""MX quantization of the routed experts (SPEC §9).
+"""MX quantization of the routed experts (DESIGN §9).
 
 - mx.py: MXFP4 (E2M1) / MXFP8 (E4M3, E5M2) block formats with E8M0 scales, OCP floor and K3 ceil rules.
 - targets.py: what is quantized (routed experts' w1/w2/w3) and with which format and rule.

@@ -1,4 +1,4 @@
-"""MX block formats (OCP Microscaling v1.0, SPEC §9): quantize / dequantize along the last dim.
+"""MX block formats (OCP Microscaling v1.0, DESIGN §9): quantize / dequantize along the last dim.
 
 N elements along the last dim; every BLOCK = 32 consecutive elements share one E8M0 scale 2^e
 (a biased exponent byte: code = e + 127, code 255 = NaN). Elements are E2M1 (MXFP4), E4M3 or
@@ -7,7 +7,7 @@ E5M2 (MXFP8). A value decodes as element * 2^e.
 Two rules pick e from the block's largest magnitude amax:
 - "floor" (OCP v1.0 §6.3): e = floor(log2(amax)) - emax_elem; the scaled amax may exceed the
   element max by < 2x, and such elements saturate to +-max.
-- "ceil"  (K3 checkpoint, SPEC §9): e = ceil(log2(amax / max_elem)); the smallest scale whose
+- "ceil"  (K3 checkpoint, DESIGN §9): e = ceil(log2(amax / max_elem)); the smallest scale whose
   range covers amax, so nothing ever saturates.
 Either way elements round to nearest, ties to even, and e is clamped to E8M0's [-127, 127].
 Special blocks: amax = 0 takes the smallest scale (code 0) and all-zero elements; a block holding
@@ -181,6 +181,6 @@ def dequantize(elements: torch.Tensor, scales: torch.Tensor, fmt: ElementFormat,
 
 
 def fake_quantize(x: torch.Tensor, fmt: ElementFormat, rule: Rule = "floor") -> torch.Tensor:
-    """dequantize(quantize(x)) in x's dtype without encoding (the QAT forward, SPEC §9)."""
+    """dequantize(quantize(x)) in x's dtype without encoding (the QAT forward, DESIGN §9)."""
     elems, codes = _quantize_blocks(x, fmt, rule)
     return (elems * e8m0_to_float(codes).unsqueeze(-1)).flatten(-2).to(x.dtype)

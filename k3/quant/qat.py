@@ -1,4 +1,4 @@
-"""Quantization-aware training for the routed experts (SPEC §9): MXFP4 weights, MXFP8 activations.
+"""Quantization-aware training for the routed experts (DESIGN §9): MXFP4 weights, MXFP8 activations.
 
 `apply_qat(model)` turns every routed-expert bank (`k3.model.experts.RoutedExperts`, stacked
 w1/w3 [E, I, H] and w2 [E, H, I]) into an `MXQATExperts`, in place. Its forward

@@ -1,4 +1,4 @@
-"""Which tensors MX quantization touches and how (SPEC §9): the routed experts' linears only.
+"""Which tensors MX quantization touches and how (DESIGN §9): the routed experts' linears only.
 
 Attention (KDA and MLA), the latent down/up projections and their norm, shared experts, the router,
 the dense layer-0 MLP, embeddings and lm_head stay high precision. Names are the per-expert names

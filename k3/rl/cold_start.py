@@ -1,6 +1,6 @@
 """Cold-start SFT data for the RL domains: each task's prompt and its reference episode
 (k3/tasks/domains.py) as OpenAI-style conversations, so the SFT model RL starts from has seen the
-domains' formats (seeds §6.1.1: SFT precedes RL). Written as a JSONL for `k3 sft --data`:
+domains' formats (DESIGN §13.1: SFT precedes RL). Written as a JSONL for `k3 sft --data`:
 
     python -m k3.rl.cold_start data/cold.jsonl --domains arithmetic,strings,tool --size 200
     k3 sft --run runs/k3-tiny-<ts> --data data/cold.jsonl --steps 120

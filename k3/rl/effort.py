@@ -1,9 +1,9 @@
-"""Effort control (seeds §6.1.2): a cold-start budget b0(x) per prompt, a reward of -1 for a
+"""Effort control (DESIGN §13.2): a cold-start budget b0(x) per prompt, a reward of -1 for a
 trajectory longer than tau * b0(x), and three effort levels that differ only in tau.
 
 - Length T(y) (`length_of`): for the reasoning domains (arithmetic, strings) the think tokens; for
   the agentic domain (tool) every generated token of every assistant turn (reasoning, response,
-  tool-call markup and arguments), not the prompt or the tool results (seeds §6.1.2: "agentic
+  tool-call markup and arguments), not the prompt or the tool results (DESIGN §13.2: "agentic
   task: reasoning, tool-call arguments and the rest of the cumulative output").
 - Budget b0(x) (`cold_start_budgets`): the MEDIAN length of the SFT model's correct samples of x.
   The median, not the mean: with K samples at temperature 1 one correct but rambling sample
@@ -21,7 +21,7 @@ trajectory longer than tau * b0(x), and three effort levels that differ only in 
   binds and max learns to solve); high and low are derived from max by lowering tau (each half the
   level above: 1 and 0.5), trained in that order (`Effort.parent`, the level each tau derives
   from), all against max's b0: the policy learns to solve within the budget, rather than being cut
-  off at inference (seeds §6.1.2). Which checkpoint a level starts from is the caller's choice
+  off at inference (DESIGN §13.2). Which checkpoint a level starts from is the caller's choice
   (docs/RL.md "The low expert"). Each level is given to the model by
   XTML's effort message (`Effort.xtml_kwargs()` -> `reasoning_effort="low" | "high" | "max"`,
   k3/text/xtml.py).

@@ -6,7 +6,7 @@ the figures `k3 rl` and `k3 distill` report, at more prompts than a run evaluate
 Each run (a `k3 sft`, `k3 rl` or `k3 distill` folder: its latest checkpoint and its tokenizer)
 answers the domain's first `--heldout` held-out problems at each of `--efforts`, greedily, as the
 trainers evaluate (`run_episodes`, the same `--max-tokens` default). One line per (run, effort):
-accuracy, mean T(y) (think tokens; all generated tokens on agentic domains, seeds §6.1.2), and the
+accuracy, mean T(y) (think tokens; all generated tokens on agentic domains, DESIGN §13.2), and the
 accuracy of each kind of problem (`Task.kind`). The held-out set is a prefix of the held-out stream,
 so a run's own 128 prompts are the first 128 of 512. Levels of effort differ by a few points on
 k3-tiny, where 128 prompts cannot order them (docs/LOG.md "A second SFT stage").

@@ -1,5 +1,5 @@
 """The per-token RL objective: group-relative advantages, a clipped importance ratio against the
-behaviour policy, an optional KL to a reference, and the trainer's packed log-probs (seeds §6.1.2).
+behaviour policy, an optional KL to a reference, and the trainer's packed log-probs (DESIGN §13.2).
 
 Per completion token t of trajectory i (docs/RL.md has the derivation):
 
@@ -8,7 +8,7 @@ Per completion token t of trajectory i (docs/RL.md has the derivation):
     l_t     = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i)
             + beta * k3_t,   k3_t = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
 
-Partial rollout trains on tokens sampled by older policies (seeds §6.1.2: "K3 uses per-token
+Partial rollout trains on tokens sampled by older policies (DESIGN §13.2: "K3 uses per-token
 regularization to bound the local change of the policy update"): the clip bounds how far each
 token's probability can move relative to the policy that actually sampled it, whatever its age.
 
@@ -17,8 +17,8 @@ k3_t is Schulman's "k3" estimator of KL(pi || pi_ref): unbiased on tokens drawn 
 
 Averaging: token-level by default (every completion token of the batch weighs the same; the sum is
 divided by the number of completion tokens, or by `num_tokens` when a global batch is split into
-micro-batches). Why: the regularization is per token (seeds §6.1.2), and effort control (seeds
-§6.1.2) punishes length itself, which a per-sequence mean (each trajectory weighted 1, its tokens
+micro-batches). Why: the regularization is per token (DESIGN §13.2), and effort control (DESIGN
+§13.2) punishes length itself, which a per-sequence mean (each trajectory weighted 1, its tokens
 1/|y_i|) would dilute exactly on the long trajectories it targets. "sequence" (the mean over
 trajectories of each one's token mean) is available for comparison.
 

@@ -1,6 +1,6 @@
 """An RL batch's log-prob forward with shared prompts run once (k3/train/prefix_tree.py).
 
-A group's samples share their prompt (seeds §6.1.2: advantages are relative within a group) and
+A group's samples share their prompt (DESIGN §13.2: advantages are relative within a group) and
 every prompt starts with the same system messages, while a packed `RLBatch` carries each
 trajectory whole: with K samples of a P-token prompt and C-token completions, the forward and
 backward run K * (P + C) tokens where P + K * C carry the same function. Here each trajectory's

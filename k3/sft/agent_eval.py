@@ -71,7 +71,7 @@ def run_episodes(model, chat: XTML, conversations, max_tokens: int = 160) -> tup
         records.append({"line": conv.line, **s, "reply": chat.tokenizer.decode(first_ids[i], skip_special_tokens=False),
                         "final": chat.tokenizer.decode(final_ids[i], skip_special_tokens=False) if i in final else None})
     summary = summarize(scores)
-    # the bars read over the prompts that need a tool: right tool with valid arguments, answer after it
+    # the agent-loop bars read over the prompts that need a tool: right tool with valid arguments, answer after it
     tool = [sc for sc, conv in zip(scores, conversations) if conv.expected.get("tool") is not None]
     if tool:
         summary["tool_prompts_tool_ok"] = sum(sc["tool_ok"] for sc in tool) / len(tool)

@@ -3,7 +3,7 @@
 A conversation is rendered once (k3/text/xtml.py) into token ids and a loss mask that is True
 exactly on the tokens an assistant must emit. Inputs are ids[:-1], targets ids[1:], and a target
 whose token is not masked in is ignored. Several conversations share one packed row, each its own
-`cu_seqlens` segment, so conversations never see each other (SPEC: packing keeps KDA state and
+`cu_seqlens` segment, so conversations never see each other (DESIGN §2: packing keeps KDA state and
 MLA attention inside a document). The order is a pure function of (seed, step), as in pretraining.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Verifiable RL task domains, generated procedurally: the stand-ins for the report's three RL
-domains (seeds §6.1.2: general reasoning, general agents, coding agents), each checked exactly.
+domains (DESIGN §13.2: general reasoning, general agents, coding agents), each checked exactly.
 
 Three domains, each a deterministic function of (seed, options, split, index), so a trainer that
 records an index resumes onto the same task and two machines see the same prompts:
@@ -99,7 +99,7 @@ class Task:
     expected_call: dict | None = None  # tool domain: {"tool": name, "arguments": {...}}
     item: str = field(default="", repr=False)  # the canonical problem text the split is decided on
     # the high-effort think trace: the reference's steps cut to what a shorter think keeps (None:
-    # the reference trace at every level); cold-start SFT shows each effort its own length (seeds §6.1.2)
+    # the reference trace at every level); cold-start SFT shows each effort its own length (DESIGN §13.2)
     brief: str | None = field(default=None, repr=False)
     kind: str = ""  # the sort of problem (strings: reverse / sort / count / nth; tool: the tool), per-kind accuracy
 
@@ -184,7 +184,7 @@ def _malformed(replies: list) -> str:
 class Domain:
     """One verifiable domain. `max_level` bounds the difficulty, drawn with P(k) ∝ k^-tail."""
     name = ""
-    agentic = False  # True: the effort budget counts all generated tokens, else think tokens (seeds §6.1.2)
+    agentic = False  # True: the effort budget counts all generated tokens, else think tokens (DESIGN §13.2)
     max_turns = 1
     default_max_level = 3
 
@@ -475,7 +475,7 @@ class ToolUse(Domain):
 
 def continue_with_tool_results(task: Task, reply: Reply, messages: list[dict] | None = None) -> list[dict]:
     """The next turn's messages: the history (default: the task's prompt), the reply as an assistant
-    message (its reasoning kept: K3 trains and serves with the thinking history, seeds §6.1.1), and
+    message (its reasoning kept: K3 trains and serves with the thinking history, DESIGN §13.1), and
     each call's result from k3.tasks.tools (an "error: ..." result for a bad call, so the model can retry)."""
     if not reply.tool_calls:
         raise ValueError(f"{task.id}: the reply calls no tool, there is no tool result to continue with")

@@ -55,7 +55,7 @@ Decisions, each with its source:
     `…<|open|>response<|sep|>` with thinking off. [enc] A reply ends with
     `<|close|>message<|sep|><|end_of_msg|>` (end_of_msg is the checkpoint's eos [ports]) or at eos.
   - tool_choice: "auto"/None as is; "none" offers no tools at all (the encoder would declare them
-    and add a "MUST NOT call" message: our choice, as the issue asks); "required" adds the
+    and add a "MUST NOT call" message: our choice); "required" adds the
     official tool-choice message and, in the generation prompt, forces a call: the prompt goes on
     past an empty think channel (skipping thinking) and an empty response channel and ends
     opening the tools element, `…<|open|>tools<|sep|>`; a named tool choice does the same and

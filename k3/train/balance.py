@@ -1,4 +1,4 @@
-"""Aux-loss-free expert balancing: the rules a trainer applies after each optimizer step (SPEC §6).
+"""Aux-loss-free expert balancing: the rules a trainer applies after each optimizer step (DESIGN §6).
 
 m tokens (one step's batch), n experts, k experts per token, s [m, n] sigmoid router scores,
 b [n] the selection bias `gate.e_score_correction_bias`. Everything runs under no_grad in fp32.
@@ -8,7 +8,7 @@ b [n] the selection bias `gate.e_score_correction_bias`. Everything runs under n
 - K3 Quantile Balancing (QB): pick b so that, with this step's scores, every expert clears the
   token cutoff for exactly q = floor(m k / n) tokens, in one shot:
     1. a_i = (k+1)-th largest of s_i + b       (the score a token's (k+1)-th choice reaches)
-    2. M_ij = s_ij - a_i                         (raw score minus the biased cutoff, SPEC §12.2)
+    2. M_ij = s_ij - a_i                         (raw score minus the biased cutoff, DESIGN §12.2)
     3. b^_j = -((q+1)-th largest of M[:, j])     (then s_ij + b^_j > a_i for exactly q tokens)
     4. b <- b^ - mean(b^)                        (top-k is shift invariant; keep b centred)
   The new bias is used from the next step on and frozen at inference.

@@ -5,7 +5,7 @@ stays the model's own init (what `from_pretrained` gives a tensor the checkpoint
 scratch then sets, by default, each residual branch's last projection to zero, as nanochat's
 `init_weights` does: every layer starts as the identity on the residual stream and each token's own
 embedding reaches every layer undiluted. Under K3's one-std draw the six KDA layers of k3-tiny
-each add an RMS-normalized output of ~5x the embedding's scale (SPEC §3: o_norm before o_proj), and the
+each add an RMS-normalized output of ~5x the embedding's scale (DESIGN §3: o_norm before o_proj), and the
 NoPE hybrid learned no in-context copying in 3,000 steps of pure copy data; from zero it copies
 from 575-950 (docs/LOG.md "RL and distillation").
 """
@@ -16,7 +16,7 @@ from torch import nn
 
 INITS = ("zero-out", "normal")  # the default first; "normal": K3's draw left as it is
 # what each residual branch writes through last: the attention outputs (KDA and MLA), the dense and
-# shared-expert down projections, the latent MoE's way back to the hidden width (SPEC §6)
+# shared-expert down projections, the latent MoE's way back to the hidden width (DESIGN §6)
 OUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight")
 
 

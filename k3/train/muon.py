@@ -1,9 +1,9 @@
-"""Per-Head Muon for matrix weights and AdamW for the rest, as one torch optimizer (SPEC §8).
+"""Per-Head Muon for matrix weights and AdamW for the rest, as one torch optimizer (DESIGN §8).
 
 Muon (KellerJordan; Moonlight scaling): Nesterov momentum 0.95, then each update matrix is
 orthogonalized by 5 quintic Newton-Schulz steps, scaled by 0.2*sqrt(max(rows, cols)) so its RMS
 matches AdamW's (one learning rate serves both), with decoupled weight decay `p *= 1 - lr*wd`.
-Per-Head Muon (K3, SPEC §8/§12.6): the projections that produce or consume attention heads are
+Per-Head Muon (K3, DESIGN §8/§12.6): the projections that produce or consume attention heads are
 orthogonalized head block by head block — row blocks for the weights that produce heads (KDA
 q/k/v/g, MLA q_b (or q), kv_b, g), column blocks for the o_proj that consumes them — and the
 scale comes from the block's shape. Every other 2-D weight is orthogonalized whole (router,
@@ -31,12 +31,12 @@ from torch.optim.adamw import adamw
 
 from k3.config import K3Config
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # KellerJordan's quintic, SPEC §8
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # KellerJordan's quintic, DESIGN §8
 NS_STEPS = 5
 NS_EPS = 1e-7
 _LAYER_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.weight$")
 _EXPERT_BANK = re.compile(r"\.experts\.w[123]$")  # stacked routed experts [E, out, in] (k3/model/experts.py)
-OPTIMIZERS = ("per-head-muon", "muon", "adamw")  # K3's choice first (SPEC §8)
+OPTIMIZERS = ("per-head-muon", "muon", "adamw")  # K3's choice first (DESIGN §8)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Learning-rate schedule (SPEC §8): linear warmup over 1% of the steps, then cosine decay to
+"""Learning-rate schedule (DESIGN §8): linear warmup over 1% of the steps, then cosine decay to
 `min_ratio` of the peak, as a torch LambdaLR (its state is a step counter, saved with checkpoints)."""
 from __future__ import annotations
 

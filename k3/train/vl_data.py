@@ -1,5 +1,5 @@
 """VL training data: generated scenes with questions -> K3 chat conversations with image placeholders
--> packed rows shared with text windows (SPEC §7: the tower trains from scratch with the LM on mixed data).
+-> packed rows shared with text windows (DESIGN §7: the tower trains from scratch with the LM on mixed data).
 
 A VL document is one scene of the shapes corpus (k3/data/shapes_corpus.py) and a few of its
 questions as an XTML conversation (k3/text/xtml.py), rendered exactly as the server renders a chat

@@ -1,4 +1,4 @@
-"""The official multimodal layout (issue #24): K3ForConditionalGeneration saved sharded with an index
+"""The official multimodal layout: K3ForConditionalGeneration saved sharded with an index
 under exactly the published names (`language_model.*`, `vision_tower.*`, `mm_projector.*`), read
 back equal; strict keys; the text loader reads the same folder; the config.json it writes."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HF-layout checkpoints (issue #2, acceptance 9): round trip and the official tensor names."""
+"""HF-layout checkpoints: round trip and the official tensor names."""
 from __future__ import annotations
 
 import json

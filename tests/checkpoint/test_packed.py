@@ -1,4 +1,4 @@
-"""The official MXFP4 packed layout (SPEC §1, §9; issue #6 acceptance 2)."""
+"""The official MXFP4 packed layout (DESIGN §1, §9)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""The transformers-style API (issue #20): `from k3 import K3ForCausalLM`, `from_pretrained` over
+"""The transformers-style API: `from k3 import K3ForCausalLM`, `from_pretrained` over
 every layout the one loader reads (ours, the official K3 layout single-file and sharded beside the
 vision tensors, MXFP4-packed; Kimi-Linear written by transformers is tests/model/test_hf_parity.py),
 `save_pretrained` writing the official layout, and `import k3` staying free of torch."""

@@ -1,4 +1,4 @@
-"""`k3 quantize` (issue #6, tooling): dense checkpoint -> packed layout + per-layer error report."""
+"""`k3 quantize`: dense checkpoint -> packed layout + per-layer error report."""
 from __future__ import annotations
 
 import json
@@ -53,7 +53,7 @@ def test_quantize_verb(tmp_path, capsys):
 
 
 def test_expert_dims_not_multiples_of_32_are_a_one_line_error(tmp_path, capsys):
-    """MXFP4 scales blocks of 32 along a matrix's input dim: w2 [32, 48] cannot be packed (issue #20)."""
+    """MXFP4 scales blocks of 32 along a matrix's input dim: w2 [32, 48] cannot be packed."""
     save_pretrained(K3ForCausalLM(small_config(moe_intermediate_size=48)), tmp_path / "dense")
     assert _quantize(tmp_path / "dense", tmp_path / "mx") == 2
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("k3: ")]

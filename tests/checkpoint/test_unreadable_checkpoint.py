@@ -1,5 +1,5 @@
 """A checkpoint or run folder that is there but cannot be read is reported as unreadable, never as
-missing (issue #58): Path.is_file inside such a folder answers False on Python >= 3.13 (so a run read
+missing: Path.is_file inside such a folder answers False on Python >= 3.13 (so a run read
 as "no checkpoint", a checkpoint as one without its files) and raises PermissionError before that (a
 traceback). The tests run as root, which reads anything, so `deny` makes a path unreadable the way
 chmod 000 does for anyone else."""

@@ -31,7 +31,7 @@ def make_inputs(B, T, H, K, V, gate, with_state=True, N=None):
 
 def make_gate(B, T, H, K, form):
     """Raw gate projections and gate parameters of either form (`k3.ops.kda.gate`), the decay
-    parameters at their official init (SPEC §12.3) for softplus, unit-scale for the bounded form."""
+    parameters at their official init (DESIGN §12.3) for softplus, unit-scale for the bounded form."""
     raw = torch.randn(B, T, H, K)
     if form == "lb":
         return raw, DecayGate(torch.empty(H).uniform_(-1, 1), torch.empty(H * K).uniform_(-1, 1), -5.0)

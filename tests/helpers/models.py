@@ -30,7 +30,7 @@ def randomized(model: K3ForCausalLM) -> K3ForCausalLM:
 
 
 def official_names(cfg) -> set[str]:
-    """The official tensor names written out from SPEC §3-6, independently of the model code."""
+    """The official tensor names written out from DESIGN §3-6, independently of the model code."""
     p = cfg.checkpoint_prefix + "model."
     names = {p + "embed_tokens.weight", p + "norm.weight", cfg.checkpoint_prefix + "lm_head.weight"}
     if cfg.attn_res_block_size:

@@ -53,7 +53,7 @@ def test_experts_bf16_dispatch_matches_per_expert_loop(against, monkeypatch):
 
 
 def test_moe_router_scores_in_fp32_under_autocast():
-    """SPEC §6: the router scores in fp32 whatever the autocast, so bf16 autocast picks exactly the
+    """DESIGN §6: the router scores in fp32 whatever the autocast, so bf16 autocast picks exactly the
     experts fp32 picks, token by token."""
     cfg = gpu_config()
     moe = StableLatentMoE(cfg).to(CUDA)

@@ -1,5 +1,5 @@
-"""A Kimi-Linear checkpoint written by transformers 5.24 loads into k3 with the same logits
-(issue #2, acceptance 8), whichever config dialect built it (issue #20): the official fields
+"""A Kimi-Linear checkpoint written by transformers 5.24 loads into k3 with the same logits,
+whichever config dialect built it: the official fields
 (`linear_attn_config`, `first_k_dense_replace`, ...) or transformers' native ones only
 (`layer_types`, `mlp_layer_types`, `linear_*`, attribute_map names). The layout tested is not
 K3's default schedule (MLA at layers 2 and 5, two dense layers before the MoE ones), so a config

@@ -145,7 +145,7 @@ def test_packed_equals_separate_runs(gate, impl):
 @pytest.mark.parametrize("gate", GATES)
 def test_prefix_invariance_of_outputs_and_gradients(gate):
     """Perturbing tokens at positions >= i changes no output before i and no gradient of a loss on
-    those outputs (fla issue #1240 is this bug in an in-kernel gate; SPEC §3)."""
+    those outputs (fla issue #1240 is this bug in an in-kernel gate; DESIGN §3)."""
     layer = make_layer(gate, kda_impl="chunk", kda_chunk_size=16)
     i, T = 21, 40  # i falls inside the second chunk
     x = torch.randn(2, T, D)

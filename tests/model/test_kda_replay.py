@@ -1,4 +1,4 @@
-"""Speculative rollback by replay (SPEC §11): the state a KDA layer reaches after the first a + 1
+"""Speculative rollback by replay (DESIGN §11): the state a KDA layer reaches after the first a + 1
 tokens of a verification forward, rebuilt from the state before it and the forward's kept inputs
 (`KimiDeltaAttention.replay`), equals the state saved at that position by running the tokens one
 at a time, for every accepted length 0..k, in a packed batch whose sequences accept different

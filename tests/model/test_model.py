@@ -1,4 +1,4 @@
-"""Whole-model properties (issue #2, acceptance 3, 4, 7): decode = prefill, packing and padding,
+"""Whole-model properties: decode = prefill, packing and padding,
 MLA absorbed = naive, Block AttnRes at init, parameter accounting."""
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def test_attnres_is_uniform_average_at_init(monkeypatch):
 
 
 def test_attnres_read_is_softmax_over_normalized_keys():
-    """SPEC §5 written out in float64 with explicit keys RMSNorm_w(V_s), a random pseudo-query and
+    """DESIGN §5 written out in float64 with explicit keys RMSNorm_w(V_s), a random pseudo-query and
     norm weight: the read's factored score (rstd times V . (w q)) gives the same output and
     gradients for every source and the pseudo-query."""
     from k3.model.attnres import BlockSource, attn_res_read, new_attn_res_pair
@@ -218,7 +218,7 @@ def test_official_layout_output_read_sees_nine_sources(monkeypatch):
     real = tr.attn_res_read
     monkeypatch.setattr(tr, "attn_res_read", lambda p, b, proj, norm: sources.append(len(b) + 1) or real(p, b, proj, norm))
     K3ForCausalLM(cfg)(torch.randint(0, 256, (1, 3)))
-    assert sources[-1] == 9  # embedding + 8 blocks (SPEC §5)
+    assert sources[-1] == 9  # embedding + 8 blocks (DESIGN §5)
 
 
 def test_without_attn_res_block_size_is_plain_residual():

@@ -1,4 +1,4 @@
-"""Stable LatentMoE and its router (SPEC §6) against a dense per-token loop and transformers."""
+"""Stable LatentMoE and its router (DESIGN §6) against a dense per-token loop and transformers."""
 import pytest
 import torch
 
@@ -45,7 +45,7 @@ def expert_forward(moe: StableLatentMoE, e: int, z: torch.Tensor) -> torch.Tenso
 
 
 def dense_loop(moe: StableLatentMoE, x: torch.Tensor) -> torch.Tensor:
-    """SPEC §6 written token by token, routing recomputed independently of MoEGate."""
+    """DESIGN §6 written token by token, routing recomputed independently of MoEGate."""
     cfg_k, rsf, renorm = moe.gate.top_k, moe.gate.routed_scaling_factor, moe.gate.renormalize
     out = []
     for xt in x.reshape(-1, x.shape[-1]):

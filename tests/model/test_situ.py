@@ -1,4 +1,4 @@
-"""SiTU-GLU and the FFN modules (SPEC §6)."""
+"""SiTU-GLU and the FFN modules (DESIGN §6)."""
 import pytest
 import torch
 from torch.nn import functional as F

@@ -1,4 +1,4 @@
-"""The balanced-EP planner (k3/parallel/ep_plan.py, seeds §7.2) on K3's geometry (896 experts,
+"""The balanced-EP planner (k3/parallel/ep_plan.py, DESIGN §14.2) on K3's geometry (896 experts,
 top-16) over 64/128/256 simulated ranks: random and adversarial router outputs must all give
 every rank exactly S*K pairs with at most ceil(E/R) guest copies per rank, never a guest on its
 home rank, and every expert's pairs accounted for. Loads recorded from a k3-tiny run are replayed

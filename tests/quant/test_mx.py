@@ -1,4 +1,4 @@
-"""MX formats (SPEC §9): bit-exact against torchao's reference `to_mx` (OCP floor rule) and a
+"""MX formats (DESIGN §9): bit-exact against torchao's reference `to_mx` (OCP floor rule) and a
 hand-checked edge-case table for both scale rules."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ NAN = float("nan")
 F32_AFTER_6 = 6.0 + 2.0 ** -21  # the next fp32 after 6; fp32 ceil(log2(amax) - log2(6)) gives 0
 
 # (format, rule, leading block values (the rest of the block is 0), scale code, decoded values).
-# Worked by hand from SPEC §9 / OCP v1.0: floor e = floor(log2 amax) - emax (E2M1 2, E4M3 8,
+# Worked by hand from DESIGN §9 / OCP v1.0: floor e = floor(log2 amax) - emax (E2M1 2, E4M3 8,
 # E5M2 15), ceil e = smallest e with max * 2^e >= amax, code = e + 127, ties to the even mantissa.
 EDGE_CASES = [
     # exact powers of two: both rules agree

@@ -1,4 +1,4 @@
-"""QAT (SPEC §9; issue #6 acceptance 3): MXFP4 weights + MXFP8 activations on routed experts only,
+"""QAT (DESIGN §9): MXFP4 weights + MXFP8 activations on routed experts only,
 straight-through gradients, and an export that serves exactly what was trained."""
 from __future__ import annotations
 

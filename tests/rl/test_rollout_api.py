@@ -1,4 +1,4 @@
-"""RL drives the serving engine through its public API only (issue #58): no module of k3/rl reaches
+"""RL drives the serving engine through its public API only: no module of k3/rl reaches
 into the engine's insides (its runner, the sampler's private hooks, any private attribute of an
 engine or a sampler, private names of k3.serve), so engine refactors cannot silently break the
 rollout's guarantees. The log-prob mode, the generator state in and out, `abort`'s return and the

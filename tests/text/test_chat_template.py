@@ -230,7 +230,7 @@ def official_render(hf, messages, *, tools, thinking, thinking_effort, tokenize=
 @pytest.mark.parametrize("level", EFFORTS)
 @pytest.mark.parametrize("thinking", [True, False], ids=["thinking-on", "thinking-off"])
 def test_official_keywords_render_what_xtml_renders(x, hf, thinking, level, tools):
-    """`thinking_effort` was not read: "low" and "high" rendered max (issue #58)."""
+    """`thinking_effort` was not read: "low" and "high" rendered max."""
     msgs = every_form(tools_in_history=tools is not None)
     want = x.render_text(msgs, tools=tools, thinking=thinking, reasoning_effort=level)
     got = official_render(hf, msgs, tools=tools, thinking=thinking, thinking_effort=level)

@@ -1,4 +1,4 @@
-"""Expert balancing (SPEC §6): K3 Quantile Balancing (exact and histogram) vs the DeepSeek-V3 sign update.
+"""Expert balancing (DESIGN §6): K3 Quantile Balancing (exact and histogram) vs the DeepSeek-V3 sign update.
 
 A synthetic router: scores s = sigmoid(noise + per-expert skew) for a fixed population of tokens
 (noise-free dynamics: every step sees the same scores, so what is measured is the rule, not the
@@ -190,7 +190,7 @@ def test_balance_step_rules_and_noop():
 
 
 def test_micro_batches_of_one_step_are_balanced_together():
-    """QB balances the step's m tokens (SPEC §6): two micro-batches = one batch of both."""
+    """QB balances the step's m tokens (DESIGN §6): two micro-batches = one batch of both."""
     import copy
 
     cfg = load_config("k3-tiny").replace(hidden_size=32, num_experts=8, num_experts_per_token=2,

@@ -1,4 +1,4 @@
-"""Per-Head Muon (SPEC §8): parameter routing, per-block orthogonalization, the update rule, and the
+"""Per-Head Muon (DESIGN §8): parameter routing, per-block orthogonalization, the update rule, and the
 optimizer state's round trip through a training checkpoint."""
 from __future__ import annotations
 

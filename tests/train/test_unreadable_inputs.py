@@ -1,4 +1,4 @@
-"""`k3 train` on inputs it cannot read (issue #58): one line, `k3 train: error: ...`, exit 2, saying
+"""`k3 train` on inputs it cannot read: one line, `k3 train: error: ...`, exit 2, saying
 what cannot be read. `--data` on an unreadable file was a 35-line PermissionError traceback (exit 1),
 an unreadable data folder an "empty corpus"; `--resume` of an unreadable run folder or checkpoint a
 traceback, or "no run.json" / a checkpoint without its files. The tests run as root, which reads

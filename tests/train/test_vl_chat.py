@@ -1,4 +1,4 @@
-"""A VL run's training documents and held-out prompts are what `/v1/chat/completions` renders (#24):
+"""A VL run's training documents and held-out prompts are what `/v1/chat/completions` renders:
 the unmodified `openai` client sends one image and a question to a server over the run's model and
 tokenizer; the prompt the engine receives equals the training conversation token for token up to
 the reply (thinking on, the server's default, and off), its image equals the trainer's pixels at

@@ -1,4 +1,4 @@
-"""Joint VL training (`k3 train --config k3-tiny-vl`, SPEC §7) on a micro config: a run writes a
+"""Joint VL training (`k3 train --config k3-tiny-vl`, DESIGN §7) on a micro config: a run writes a
 multimodal checkpoint, metrics with text and image losses, the held-out accuracy and both
 baselines; packing keeps documents apart (text or image) with one placeholder per merged image row;
 the tower's weights get Per-Head Muon / AdamW groups; resume after a kill replays the run bit for bit."""

@@ -1,4 +1,4 @@
-"""K3's native vision encoder, MoonViT-V2 and its projector (SPEC §7; docs/VISION.md)."""
+"""K3's native vision encoder, MoonViT-V2 and its projector (DESIGN §7; docs/VISION.md)."""
 from k3.model.vision.config import VisionConfig
 from k3.model.vision.merge import merged_counts, tpool_merge
 from k3.model.vision.model import VisionModel

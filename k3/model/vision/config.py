@@ -6,7 +6,7 @@ and an absent key stays absent on write unless its value was changed. Absent key
 official `VisionTowerConfig` / `ProjectorConfig` (moonshotai/Kimi-K3 `modeling_kimi_k3.py`) make
 of them with `getattr(config, key, default)`: no `qkv_hidden_size` = `vt_hidden_size`, no
 `norm_type` = LayerNorm, biases on, bilinear interpolation. `VisionConfig()` is K3's tower
-(SPEC §7): 27 layers, width 1024, 12 heads of 128 (`qkv_hidden_size` 1536), MLP 4096, patch 14.
+(DESIGN §7): 27 layers, width 1024, 12 heads of 128 (`qkv_hidden_size` 1536), MLP 4096, patch 14.
 """
 from __future__ import annotations
 

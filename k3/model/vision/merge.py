@@ -1,4 +1,4 @@
-"""`sd2_tpool` merge of MoonViT-V2 (SPEC §7): temporal mean pooling, then 2 x 2 spatial grouping.
+"""`sd2_tpool` merge of MoonViT-V2 (DESIGN §7): temporal mean pooling, then 2 x 2 spatial grouping.
 
 L packed patches, D width, grid_thws [N, 3] as (t, h, w), kernel (kh, kw). Per image or video, as
 the official `tpool_patch_merger` (moonshotai/Kimi-K3 `modeling_kimi_k3.py`): the [t, h, w, D]

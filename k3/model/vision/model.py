@@ -1,4 +1,4 @@
-"""The K3 vision encoder: MoonViT-V2 tower plus the patchmergerv2 projector (SPEC §7).
+"""The K3 vision encoder: MoonViT-V2 tower plus the patchmergerv2 projector (DESIGN §7).
 
 Pixels of N packed images/videos to one text-width embedding per merged 2 x 2 window, ready to
 replace the image placeholder tokens. State-dict names are the published checkpoint's

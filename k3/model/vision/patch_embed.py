@@ -1,4 +1,4 @@
-"""Patch embedding and the divided-fixed absolute position embedding of MoonViT-V2 (SPEC §7).
+"""Patch embedding and the divided-fixed absolute position embedding of MoonViT-V2 (DESIGN §7).
 
 L packed patches of all images/videos, D width (vt_hidden_size), P patch size, grid_thws [N, 3]:
 (frames t, patch rows h, patch columns w) per image or video, patches in (t, h, w) raster order.

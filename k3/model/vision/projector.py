@@ -1,4 +1,4 @@
-"""`patchmergerv2`, the K3 mm projector (SPEC §7): merged patches to text-width embeddings.
+"""`patchmergerv2`, the K3 mm projector (DESIGN §7): merged patches to text-width embeddings.
 
 M merged tokens, G = kh * kw patches per token, D tower width (mm_hidden_size), C text width.
 As the official `PatchMergerMLPV2` (moonshotai/Kimi-K3 `modeling_kimi_k3.py`): the G patch vectors

@@ -1,4 +1,4 @@
-"""2-D rotary position embedding of MoonViT-V2 (SPEC §7), shared by all blocks and heads.
+"""2-D rotary position embedding of MoonViT-V2 (DESIGN §7), shared by all blocks and heads.
 
 L packed patches, H heads, K head dim (qkv_hidden_size / heads), grid_thws [N, 3] as (t, h, w).
 As the official `Rope2DPosEmbRepeated` (moonshotai/Kimi-K3 `modeling_kimi_k3.py`): head dims pair

@@ -1,4 +1,4 @@
-"""MoonViT-V2, the K3 vision tower (SPEC §7): patch embedding, pre-norm encoder blocks with 2-D
+"""MoonViT-V2, the K3 vision tower (DESIGN §7): patch embedding, pre-norm encoder blocks with 2-D
 RoPE over packed images, a final norm and the `sd2_tpool` merge. Official names (`vision_tower.`
 prefix): patch_embed.{proj, pos_emb}, encoder.blocks.{i}.{norm0, wqkv, wo, norm1, mlp.fc0, mlp.fc1},
 encoder.final_layernorm, as moonshotai/Kimi-K3 `modeling_kimi_k3.py` (MoonViT3dPretrainedModel).

@@ -1,4 +1,4 @@
-"""Depthwise causal short convolution of KDA's q/k/v streams (SPEC §3), with carried tails.
+"""Depthwise causal short convolution of KDA's q/k/v streams (DESIGN §3), with carried tails.
 
 B batch, T tokens, C channels, W kernel width, N sequences (B, or len(cu_seqlens) - 1).
 

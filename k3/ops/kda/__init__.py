@@ -1,4 +1,4 @@
-"""Kimi Delta Attention ops (SPEC §3): one entry point, three interchangeable backends.
+"""Kimi Delta Attention ops (DESIGN §3): one entry point, three interchangeable backends.
 
     kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, impl, chunk_size,
         update_state_in_place, normalize_qk, gate)

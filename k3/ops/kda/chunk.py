@@ -1,4 +1,4 @@
-"""KDA, chunkwise parallel, in plain torch: the CPU training/prefill path (SPEC §3, docs/KDA.md).
+"""KDA, chunkwise parallel, in plain torch: the CPU training/prefill path (DESIGN §3, docs/KDA.md).
 
 Shapes as in `k3.ops.kda.inputs`; C = chunk size, NC chunks. Inside a chunk, with cumulative
 log-decay G_i = sum_{r<=i} g_r (per key channel) and S the state entering the chunk:
@@ -15,7 +15,7 @@ joined bottom up from 4-token blocks; inside those they are built as exp(G_i - G
 non-causal (j > i) entries set to -inf BEFORE exp, so they are exactly 0 and so are their gradients
 (masking after exp would give inf * 0 = NaN for large decays). Memory: a [B, H, T, 4, K] fp32
 tensor for those diagonal blocks. When the caller bounds every g from below (K3's gate: g > lb,
-SPEC §3), the diagonal blocks are matmuls too: rows decayed to and from the block's first token,
+DESIGN §3), the diagonal blocks are matmuls too: rows decayed to and from the block's first token,
 q_i exp(G_i - G_0) <= 1 and k_j exp(G_0 - G_j) <= exp((d - 1)|lb|), stay in fp32's range (fla's
 "safe gate" reasoning), and a row still reads no later token's decay (prefix invariance).
 T need not be a multiple of C: the last chunk is padded with q = k = v = 0, g = 0 (no

@@ -1,4 +1,4 @@
-"""The KDA forget gate (SPEC §3): raw gate projections -> per-key-channel log-decay g, in fp32.
+"""The KDA forget gate (DESIGN §3): raw gate projections -> per-key-channel log-decay g, in fp32.
 
     K3 (lower_bound lb):  g = lb * sigmoid(exp(A_log) * (raw + dt_bias))   in (lb, 0)
     Kimi Linear:          g = -exp(A_log) * softplus(raw + dt_bias)         in (-inf, 0)

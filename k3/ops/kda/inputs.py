@@ -1,4 +1,4 @@
-"""The KDA op contract, shared by every backend (fla's layout, SPEC §3).
+"""The KDA op contract, shared by every backend (fla's layout, DESIGN §3).
 
 B batch, T tokens, H heads, K key dim, V value dim, N sequences (B, or len(cu_seqlens) - 1).
     q, k  [B, T, H, K]   (q unscaled: `scale`, default K^-1/2, is applied inside)
@@ -38,5 +38,5 @@ def check_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (KDA q/k, SPEC §3; fla's `l2norm`, same eps)."""
+    """x / sqrt(sum(x^2) + eps) over the last dim (KDA q/k, DESIGN §3; fla's `l2norm`, same eps)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

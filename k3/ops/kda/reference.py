@@ -1,4 +1,4 @@
-"""KDA, token by token: the readable reference every faster path is tested against (SPEC §3).
+"""KDA, token by token: the readable reference every faster path is tested against (DESIGN §3).
 
 Shapes as in `k3.ops.kda.inputs`. Per head, with state S [K, V] in fp32:
 

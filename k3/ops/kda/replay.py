@@ -1,5 +1,5 @@
 """Replay: a KDA layer's state after a prefix of recorded tokens, from the state before them
-(SPEC §11, speculative decoding's rollback).
+(DESIGN §11, speculative decoding's rollback).
 
 A verification forward runs a sequence's last token and its k drafted tokens and leaves the state
 after all of them; when only a tokens are accepted, the state must be the one after 1 + a tokens.

@@ -1,4 +1,4 @@
-"""KDA's output norm and gate (SPEC §3): y = RMSNorm_K(o) * weight * sigmoid(gate), in fp32.
+"""KDA's output norm and gate (DESIGN §3): y = RMSNorm_K(o) * weight * sigmoid(gate), in fp32.
 
 o and gate [..., K] (per head), weight [K]; the result is in o's dtype. Two interchangeable
 backends, as for the short conv and the KDA op:

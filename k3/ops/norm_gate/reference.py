@@ -1,5 +1,5 @@
 """The readable reference of KDA's output norm and gate (k3.ops.norm_gate), in the official order:
-normalize in fp32, multiply the norm weight, then the sigmoid gate (SPEC §3; transformers
+normalize in fp32, multiply the norm weight, then the sigmoid gate (DESIGN §3; transformers
 KimiLinearRMSNormGated)."""
 from __future__ import annotations
 

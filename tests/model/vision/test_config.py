@@ -1,4 +1,4 @@
-"""VisionConfig reads and writes the published `vision_config` losslessly (SPEC §7)."""
+"""VisionConfig reads and writes the published `vision_config` losslessly (DESIGN §7)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""`sd2_tpool` merge (SPEC §7) against transformers' Kimi-K2.5 vectorized temporal merge, which
+"""`sd2_tpool` merge (DESIGN §7) against transformers' Kimi-K2.5 vectorized temporal merge, which
 has the official `tpool_patch_merger` semantics (mean over frames, kh x kw windows)."""
 from __future__ import annotations
 

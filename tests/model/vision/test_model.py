@@ -1,4 +1,4 @@
-"""The whole encoder, pixels to text-width embeddings (SPEC §7), against an fp64 reference of the
+"""The whole encoder, pixels to text-width embeddings (DESIGN §7), against an fp64 reference of the
 official formulas (tests/model/vision/helpers.py), outputs and every gradient; packing; errors."""
 from __future__ import annotations
 

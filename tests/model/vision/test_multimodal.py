@@ -1,4 +1,4 @@
-"""K3ForConditionalGeneration (SPEC §7; docs/VISION.md): image rows replace the placeholder tokens'
+"""K3ForConditionalGeneration (DESIGN §7; docs/VISION.md): image rows replace the placeholder tokens'
 embeddings in order, text positions are the text model's own, a placeholder/row mismatch is a clear
 error, a text-only call never runs the tower and is K3ForCausalLM's call bit for bit; the
 `inputs_embeds` seam of K3ForCausalLM; the published config builds on meta and `k3 params` prints

@@ -1,4 +1,4 @@
-"""Patch embedding and the divided-fixed position embedding (SPEC §7) against transformers'
+"""Patch embedding and the divided-fixed position embedding (DESIGN §7) against transformers'
 Kimi-K2.5 `Kimi_K25VisionPositionEmbeddings` (same table, resampled by a gather it derives from
 `F.interpolate`; switched to K3's bilinear mode) and the official F.interpolate formula in fp64."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""2-D RoPE (SPEC §7) against transformers' Kimi-K2.5 axial rotary embedding, after mapping the
+"""2-D RoPE (DESIGN §7) against transformers' Kimi-K2.5 axial rotary embedding, after mapping the
 official interleaved pair layout (x[2c], x[2c+1]) to transformers' half layout (x[c], x[c+K/2]),
 and against the official complex-multiply formula in fp64."""
 from __future__ import annotations
