@@ -520,3 +520,26 @@ def test_cli_bad_default_chat_template_kwargs_fail_before_loading(tmp_path, caps
     assert err.startswith("k3 serve: error: default chat template kwargs: thinking") and "\n" not in err, err
     with pytest.raises(SystemExit):  # not a JSON object: argparse's usage error
         p.parse_args(["--model", "m", "--default-chat-template-kwargs", "[1]"])
+
+
+def test_chat_template_kwargs_take_the_official_thinking_effort(scripted):
+    """chat_template_kwargs.thinking_effort (the official encoder's keyword) renders what the same
+    reasoning_effort renders; both given, they must agree (400 naming reasoning_effort)."""
+    server, engine = scripted
+    c = client(server, KEY)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def prompt_tokens(**extra):
+        r = c.chat.completions.create(model="scripted", messages=messages, temperature=0, max_tokens=1, **extra)
+        return r.usage.prompt_tokens
+
+    low = prompt_tokens(extra_body={"chat_template_kwargs": {"thinking_effort": "low"}})
+    assert low == prompt_tokens(reasoning_effort="low") != prompt_tokens()
+    assert low == prompt_tokens(reasoning_effort="minimal", extra_body={"chat_template_kwargs": {"thinking_effort": "low"}})
+    for bad in ({"reasoning_effort": "high", "chat_template_kwargs": {"thinking_effort": "low"}},
+                {"chat_template_kwargs": {"thinking_effort": "medium"}}):
+        r = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "scripted", "messages": messages, "max_tokens": 1, **bad})
+        assert r.status_code == 400, r.text
+    assert "disagree" in r.text or "thinking_effort" in r.text
+    wait_idle(engine)

@@ -27,6 +27,7 @@ from pydantic import (
 from k3.sampling import MAX_TEMPERATURE
 from k3.serve.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from k3.text.tool_schema import compile_parameters
+from k3.text.xtml import REASONING_EFFORT
 
 MAX_INT = 2**31 - 1
 MAX_DEPTH = 64  # JSON nesting (objects and lists), tool schemas and call arguments included
@@ -286,6 +287,8 @@ class ChatTemplateKwargs(BaseModel):
     """Options of K3's chat template (k3/text/xtml.py); unknown keys are an error, not ignored."""
     model_config = ConfigDict(extra="forbid")
     thinking: StrictBool = Field(True, description="false: no think channel, no effort message")
+    thinking_effort: Literal["low", "high", "max"] | None = Field(
+        None, description="the official encoder's effort keyword; given with reasoning_effort, the two must agree")
 
 
 # OpenAI's reasoning_effort values; K3 has three levels (the mapping is REASONING_EFFORT in k3/text/xtml.py)
@@ -322,6 +325,18 @@ class ChatCompletionRequest(_Sampling):
         """The request's own chat_template_kwargs, else the server's defaults, else the template's."""
         kwargs = self.chat_template_kwargs if self.chat_template_kwargs is not None else default
         return kwargs is None or kwargs.thinking
+
+    def effort(self, default: ChatTemplateKwargs | None = None) -> str | None:
+        """The reasoning_effort to render: the request's, else chat_template_kwargs' thinking_effort
+        (the request's own, else the server's defaults); ValueError when the two disagree."""
+        kwargs = self.chat_template_kwargs if self.chat_template_kwargs is not None else default
+        official = kwargs.thinking_effort if kwargs is not None else None
+        if official is None:
+            return self.reasoning_effort
+        if self.reasoning_effort is not None and REASONING_EFFORT[self.reasoning_effort] != official:
+            raise ValueError(f"reasoning_effort {self.reasoning_effort!r} and chat_template_kwargs.thinking_effort "
+                             f"{official!r} disagree")
+        return self.reasoning_effort or official
 
     @property
     def max_new_tokens(self) -> int | None:

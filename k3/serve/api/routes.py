@@ -364,6 +364,10 @@ async def _prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> _Pr
     use_tools = bool(tools) and tool_choice != "none"
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
+        effort = body.effort(ctx.chat_defaults)
+    except ValueError as e:
+        raise APIError(400, str(e), param="reasoning_effort") from None
+    try:
         media, images = None, []
         if ctx.images is not None:  # decoded off the event loop: a large image or a video takes a while
             prepared = await asyncio.to_thread(prepare_media, messages, ctx.images, ctx.media_fetch,
@@ -372,7 +376,7 @@ async def _prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> _Pr
             media = prepared.images.media(ctx.engine.media_placeholder_token_id)
         rendered = await asyncio.to_thread(
             ctx.chat.render, messages,
-            tools=tools if use_tools else None, reasoning_effort=body.reasoning_effort,
+            tools=tools if use_tools else None, reasoning_effort=effort,
             thinking=body.thinking(ctx.chat_defaults),
             tool_choice=tool_choice if use_tools else None, media=media)
         if ctx.images is not None:
