@@ -45,7 +45,7 @@ MIN_BUDGET = 8.0  # tokens: the floor of every b0
 # tokens, for a domain where the SFT model solved nothing: a little above the reference solutions'
 # T(y) at the default difficulty in k3-tiny's 4096-token BPE (at most 40 / 23 think tokens, a
 # median of ~135 generated tokens for the tool episode); `reference_length` measures them for any tokenizer
-DEFAULT_BUDGET = {"arithmetic": 48.0, "strings": 32.0, "tool": 160.0}
+DEFAULT_BUDGET = {"arithmetic": 48.0, "strings": 32.0, "tool": 160.0, "shell": 320.0}
 
 
 @dataclass(frozen=True)

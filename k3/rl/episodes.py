@@ -27,6 +27,7 @@ import torch
 from k3.generation.generate import generate
 from k3.rl.effort import Budget, length_of, within_budget
 from k3.tasks.domains import Score, Task, continue_with_tool_results, needs_another_turn
+from k3.tasks.shell import release
 
 
 class NextTurn(NamedTuple):
@@ -134,10 +135,11 @@ def run_episodes(model, xtml, tasks: Sequence[Task], effort: str, max_tokens: in
                     history[i], prompts[i], rendered[i] = nxt.messages, nxt.token_ids, nxt.rendered
                     still.append(i)
             active = still
+        return [Episode(t, turns[i], replies[i], t.verify(replies[i]), length_of(turns[i], t.domain, xtml))
+                for i, t in enumerate(tasks)]
     finally:
         model.train(was_training)
-    return [Episode(t, turns[i], replies[i], t.verify(replies[i]), length_of(turns[i], t.domain, xtml))
-            for i, t in enumerate(tasks)]
+        release({t.id for t in tasks})  # sandboxes of episodes an error stopped before verify (shell)
 
 
 def summarize(episodes: Sequence[Episode], budgets: dict[str, Budget], tau: float) -> dict:

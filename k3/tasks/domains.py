@@ -1,7 +1,7 @@
 """Verifiable RL task domains, generated procedurally: the stand-ins for the report's three RL
 domains (DESIGN §13.2: general reasoning, general agents, coding agents), each checked exactly.
 
-Three domains, each a deterministic function of (seed, options, split, index), so a trainer that
+Four domains, each a deterministic function of (seed, options, split, index), so a trainer that
 records an index resumes onto the same task and two machines see the same prompts:
 - `arithmetic`: "What is (7 + 5) * 3 - 4?"; a step-by-step trace in the think channel
   ("7 + 5 = 12. 12 * 3 = 36. 36 - 4 = 32."), the answer in the response. Difficulty is the number
@@ -15,6 +15,9 @@ records an index resumes onto the same task and two machines see the same prompt
   answer with it. Multi-turn: `continue_with_tool_results` runs the calls and gives the next
   turn's messages, up to `max_turns` assistant turns. The prompts reuse the SFT default set's
   phrasings, so an SFT model starts from a sensible policy.
+- `shell`: file-system jobs (create a file, count matching lines into a file, rename .txt to .md) done
+  with bash / read_file / write_file in the episode's own sandbox and judged by the files' end state
+  (k3/tasks/shell.py); held out by the hash of the problem text, like arithmetic and strings.
 
 Train vs held-out (both splits come from the same generator, then are filtered):
 - arithmetic and strings: a problem (its canonical text, e.g. "arithmetic|(7 + 5) * 3 - 4") is
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
 
+from k3.tasks import shell
 from k3.tasks.default_set import ANSWERS, DEFAULT_N_TOOLS, REASONING, TEMPLATES, UNIT_PAIRS, WORDS, item_split
 from k3.tasks.tools import FACTS, PLACES, TOOLS, UNITS, call_tool, lookup_key, parse_arguments
 from k3.text.xtml import EFFORTS
@@ -102,6 +106,8 @@ class Task:
     # the reference trace at every level); cold-start SFT shows each effort its own length (DESIGN §13.2)
     brief: str | None = field(default=None, repr=False)
     kind: str = ""  # the sort of problem (strings: reverse / sort / count / nth; tool: the tool), per-kind accuracy
+    # shell: {"files": {path: text}} the initial tree an episode's sandbox starts from (None elsewhere)
+    setup: dict | None = field(default=None, repr=False)
 
     def verify(self, replies: Reply | Sequence[Reply]) -> Score:
         """Score an episode: its replies in turn order (or one reply for a one-turn episode)."""
@@ -258,11 +264,19 @@ class Domain:
     def _task(self, split: str, index: int, parts: dict, rng: random.Random) -> Task:
         raise NotImplementedError
 
-    def _make(self, split, index, parts, messages, reference, tools=None, expected_call=None) -> Task:
-        return Task(id=f"{self.name}/{split}/{index}/{self.fingerprint}", domain=self.name, split=split, index=index,
+    def _make(self, split, index, parts, messages, reference, tools=None, expected_call=None, setup=None) -> Task:
+        return Task(setup=setup, id=f"{self.name}/{split}/{index}/{self.fingerprint}", domain=self.name, split=split, index=index,
                     level=parts["level"], messages=messages, tools=tools, answer=parts["answer"],
                     reference=reference, max_turns=self.max_turns, expected_call=expected_call, item=parts["item"],
                     brief=parts.get("brief"), kind=parts["kind"])
+
+    # ---- tools
+
+    def tool_results(self, task: Task, history: list[dict], calls: list[dict]) -> list[str]:
+        """The results of one reply's `calls`, after the episode's `history` (the tool domain's: the
+        default tools, run in-process)."""
+        return [call_tool((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+                for c in calls]
 
     # ---- verification
 
@@ -483,10 +497,10 @@ def continue_with_tool_results(task: Task, reply: Reply, messages: list[dict] | 
     turn = {"role": "assistant", "content": reply.content or None, "tool_calls": copy.deepcopy(list(reply.tool_calls))}
     if reply.reasoning:
         turn["reasoning_content"] = reply.reasoning
+    results = DOMAINS[task.domain].tool_results(task, history, list(reply.tool_calls))
     history.append(turn)
-    for call in reply.tool_calls:
-        fn = call.get("function") or {}
-        result = {"role": "tool", "content": call_tool(fn.get("name"), fn.get("arguments"))}
+    for call, content in zip(reply.tool_calls, results):
+        result = {"role": "tool", "content": content}
         if call.get("id") is not None:
             result["tool_call_id"] = call["id"]
         history.append(result)
@@ -498,13 +512,65 @@ def needs_another_turn(task: Task, reply: Reply, turns_done: int) -> bool:
     return bool(reply.tool_calls) and turns_done < task.max_turns
 
 
+def _calls_in(task: Task, history: list[dict]) -> list[dict]:
+    """The tool calls the assistant turns of `history` made after the task's prompt, in order."""
+    return [c for m in history[len(task.messages):] if m.get("role") == "assistant" for c in (m.get("tool_calls") or ())]
+
+
+class Shell(Domain):
+    """File-system jobs done with bash / read_file / write_file in the episode's own sandbox, judged
+    by the end state of the files (k3/tasks/shell.py)."""
+    name = "shell"
+    agentic = True
+    max_turns = 6
+    default_max_level = 3
+    KINDS = shell.KINDS
+
+    def _draw(self, rng: random.Random, level: int) -> dict:
+        return shell.draw(rng, level)
+
+    def _task(self, split, index, parts, rng) -> Task:
+        messages = [{"role": "user", "content": parts["prompt"]}]
+        return self._make(split, index, parts, messages, shell.reference(parts), tools=copy.deepcopy(shell.TOOLS),
+                          setup={"files": dict(parts["files"])})
+
+    def tool_results(self, task: Task, history: list[dict], calls: list[dict]) -> list[str]:
+        """Run the calls in the episode's sandbox (the one that ran `history`'s calls), kept for the next turn."""
+        before = _calls_in(task, history)
+        ep = shell.take_episode(task, before)
+        try:
+            results = ep.run_calls(calls)
+        except BaseException:
+            ep.close()
+            raise
+        shell.keep_episode(ep, before + list(calls))
+        return results
+
+    def verify(self, task: Task, replies: list) -> Score:
+        """Correct: well-formed turns, the last one calling no tool, and the end state of the files
+        right (judged on a fork of the episode's sandbox, which is then closed)."""
+        counts = _counts(replies)
+        reason = _episode_problem(task, replies)
+        ran = [c for r in replies[:-1] for c in (r.tool_calls or ())]  # the last turn's calls never ran
+        if not reason and replies[-1].tool_calls:
+            reason = "the episode ended on a tool call, not with a final response"
+        if reason:
+            shell.drop_episode(task, ran)
+        else:
+            with shell.take_episode(task, ran) as ep:
+                reason = ep.judge()
+        bad = sum(isinstance(shell.checked_arguments(fn.get("name"), fn.get("arguments")), str)
+                  for fn in ((c.get("function") or {}) for r in replies for c in (r.tool_calls or ())))
+        return Score(correct=not reason, reason=reason, answer=None, bad_calls=bad, **counts)
+
+
 DOMAINS: dict[str, Domain] = {}  # name -> the default instance, which verifies any of the domain's tasks
-DOMAIN_CLASSES = {cls.name: cls for cls in (Arithmetic, Strings, ToolUse)}
+DOMAIN_CLASSES = {cls.name: cls for cls in (Arithmetic, Strings, ToolUse, Shell)}
 DOMAINS.update({name: cls() for name, cls in DOMAIN_CLASSES.items()})
 
 
 def make_domain(name: str, seed: int = 0, **options) -> Domain:
-    """A domain by name: arithmetic / strings / tool, with its options (max_level, tail, and
+    """A domain by name: arithmetic / strings / tool / shell, with its options (max_level, tail, and
     digits for arithmetic, n_tools for tool)."""
     if name not in DOMAIN_CLASSES:
         raise ValueError(f"unknown domain {name!r} (known: {', '.join(DOMAIN_CLASSES)})")

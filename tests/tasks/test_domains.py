@@ -202,9 +202,26 @@ def parse_tail(x: XTML, prompt, full) -> Reply:
     return p.reply
 
 
+@lru_cache(maxsize=1)
+def _sandbox_error() -> str:
+    from k3.envs import Sandbox, SandboxError
+    try:
+        Sandbox().close()
+    except SandboxError as e:
+        return str(e)
+    return ""
+
+
+def _need_sandbox() -> None:
+    if _sandbox_error():
+        pytest.skip(f"no sandbox on this host: {_sandbox_error()}")
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("effort", ["low", "max"])
 def test_render_parse_round_trip(name, effort):
+    if name == "shell":  # its tools run in a sandbox (k3/tasks/shell.py)
+        _need_sandbox()
     x = xtml()
     for t in make_domain(name).tasks("heldout", 5):
         history, replies = list(t.messages), []
@@ -219,7 +236,7 @@ def test_render_parse_round_trip(name, effort):
             replies.append(r)
             if needs_another_turn(t, r, len(replies)):
                 history = continue_with_tool_results(t, r, history)
-        assert len(replies) == (2 if name == "tool" else 1)
+        assert len(replies) == (1 if t.tools is None else 2)
         assert t.verify(replies).correct, t.verify(replies).reason
         wrong = x.render(t.messages + [{"role": "assistant", "reasoning_content": "hm", "content": "7777"}],
                          tools=t.tools, reasoning_effort=effort, add_generation_prompt=False)
