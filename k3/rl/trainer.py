@@ -70,6 +70,7 @@ from k3.rl.objective import (
 from k3.rl.rollout import Prompt, Rollouts, Segment, Trajectory
 from k3.sampling import MAX_TEMPERATURE
 from k3.serve.engine import EngineConfig
+from k3.tasks import shell
 from k3.tasks.domains import DOMAIN_CLASSES, Task, make_domain, needs_another_turn
 from k3.train.chat_start import load_chat_start
 from k3.train.errors import TrainError
@@ -265,6 +266,10 @@ class RLTrainer(Trainer):
         self._adopt_chat(load_chat_start(model.config, self.run_dir if resume else self.init_checkpoint, settings.init,
                                          verb, settings.init, f"{verb} needs a chat model (a `k3 sft` run)"), model.config)
         return model
+
+    def close(self) -> None:
+        shell.release()  # the sandboxes of shell episodes still paused when the run ends
+        super().close()
 
     def _write_pins(self) -> None:
         """sources.json: the init (and teacher) checkpoints as resolved now, read back on resume."""
