@@ -5,6 +5,8 @@ not import training, and the model must not import serving, training or checkpoi
 from __future__ import annotations
 
 import ast
+import functools
+import itertools
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -56,13 +58,22 @@ def runtime_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
+@functools.cache
+def _import_nodes(path: Path, mtime_ns: int, size: int) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """The import statements of one version of a file that run: parsed once, not once per test
+    (each test walks every file of k3)."""
+    return tuple(node for node in runtime_nodes(ast.parse(path.read_text(), str(path)))
+                 if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
 def imported_modules(path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
     """Every k3 module `path` imports at run time, with the line; `from k3.x import y` names k3.x.y
     when that is a module (a submodule import), else k3.x."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
+    stat = path.stat()
+    for node in _import_nodes(path, stat.st_mtime_ns, stat.st_size):
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "k3"]
         elif isinstance(node, ast.ImportFrom):
@@ -129,7 +140,7 @@ def test_no_import_cycle_between_parts():
     edges = import_graph()
     cycle = find_cycle(edges)
     if cycle:
-        where = "; ".join(f"{a} -> {b} at {', '.join(edges[(a, b)][:3])}" for a, b in zip(cycle, cycle[1:]))
+        where = "; ".join(f"{a} -> {b} at {', '.join(edges[(a, b)][:3])}" for a, b in itertools.pairwise(cycle))
         pytest.fail(f"import cycle {' -> '.join(cycle)}: {where}")
 
 
@@ -171,7 +182,7 @@ def test_no_import_cycle_inside_a_part():
     assert edges, "the walker found no import inside any package"
     cycle = find_cycle(edges)
     if cycle:
-        where = "; ".join(f"{a} -> {b} at {', '.join(edges[(a, b)][:3])}" for a, b in zip(cycle, cycle[1:]))
+        where = "; ".join(f"{a} -> {b} at {', '.join(edges[(a, b)][:3])}" for a, b in itertools.pairwise(cycle))
         pytest.fail(f"import cycle {' -> '.join(cycle)}: {where}")
 
 

@@ -1,5 +1,6 @@
-"""`k3 ablate`: every built-in study's smoke run writes a table and plots that parse; the budgets a
-study claims to match are matched; the optimizer switch; resuming reuses finished runs."""
+"""`k3 ablate`: every built-in study's smoke run writes a table and plots that parse (four studies
+in the default run, the rest under `-m slow`); the budgets a study claims to match are matched; the
+optimizer switch; resuming reuses finished runs."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,22 +19,35 @@ from k3.model.transformer import K3ForCausalLM
 from k3.train.muon import param_groups
 from tests.helpers.train import quiet, small_corpus
 
+# The default run smoke-runs these studies; between them they take every path of the runner and the
+# report (parameters matched through one knob and through two, an lr sweep, extra figures and a
+# curve panel, two seeds and their paired differences). The others' runs only change the config
+# (their model variants are tested in tests/model and tests/train) and run under `-m slow`.
+DEFAULT_STUDIES = ("mixer", "ffn", "optimizer", "precision")
+
 
 @pytest.fixture(scope="module")
 def quick_root(tmp_path_factory):
-    """Every study's --quick run on seed 0 into one folder (studies share their baseline runs), and
-    the precision study on a second seed (seed bands, paired differences)."""
+    """A study's --quick run on seed 0 into one folder, on first use (studies share their baseline
+    runs), the precision study also on a second seed (seed bands, paired differences); -> (folder,
+    data, run: name -> folder, done: the studies run so far)."""
     root = tmp_path_factory.mktemp("ablate")
     data = small_corpus(root)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a micro model's ops are far too small to share between threads
-    try:
-        common = {"data": data, "cache_dir": str(root / "cache"), "progress": False, "log": quiet}
-        assert ablate(list(STUDIES.values()), get_scale("cpu", quick=True), [0], root / "out", **common) == 0
-        assert ablate([get_study("precision")], get_scale("cpu", quick=True), [0, 1], root / "out", **common) == 0
-    finally:
-        torch.set_num_threads(threads)
-    return root / "out", data
+    common = {"data": data, "cache_dir": str(root / "cache"), "progress": False, "log": quiet}
+    done: list[str] = []
+
+    def run(name: str):
+        if name not in done:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # a micro model's ops are far too small to share between threads
+            try:
+                seeds = [0, 1] if name == "precision" else [0]
+                assert ablate([get_study(name)], get_scale("cpu", quick=True), seeds, root / "out", **common) == 0
+            finally:
+                torch.set_num_threads(threads)
+            done.append(name)
+        return root / "out"
+    return root / "out", data, run, done
 
 
 def _table(md: str) -> list[str]:
@@ -44,10 +58,11 @@ def _table(md: str) -> list[str]:
     return lines[start:end]
 
 
-@pytest.mark.parametrize("name", list(STUDIES))
+@pytest.mark.parametrize("name", [n if n in DEFAULT_STUDIES else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in STUDIES])
 def test_quick_study_writes_table_and_plots(quick_root, name):
-    root, _ = quick_root
-    folder = root / name
+    _root, _, run, _ = quick_root
+    folder = run(name) / name
     res = json.loads((folder / report.RESULTS_JSON).read_text())
     seeds = 2 if name == "precision" else 1
     assert res["study"] == name and len(res["seeds"]) == seeds
@@ -66,8 +81,10 @@ def test_quick_study_writes_table_and_plots(quick_root, name):
 
 
 def test_rerun_trains_nothing(quick_root):
-    root, data = quick_root
-    plans = make_plans(list(STUDIES.values()), get_scale("cpu", quick=True), [0], data, None)
+    root, data, run, done = quick_root
+    for name in DEFAULT_STUDIES:
+        run(name)
+    plans = make_plans([get_study(name) for name in done], get_scale("cpu", quick=True), [0], data, None)
     assert pending(plans, root) == []
 
 

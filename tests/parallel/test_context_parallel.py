@@ -1,4 +1,4 @@
-"""Context parallelism (k3/parallel/context_parallel.py, seeds §7.1) over 4 gloo processes matches
+"""Context parallelism (k3/parallel/context_parallel.py, DESIGN §14.1) over 4 gloo processes matches
 one process within 1e-5 (relative RMSE): a KDA layer (KCP), an MLA layer and the whole k3-tiny
 model, outputs and every gradient, on a packed row whose documents cross rank boundaries (one
 covers a whole rank and continues into the next, one starts exactly at a rank's edge, one is a
@@ -133,7 +133,9 @@ def test_cp4_matches_one_process_4k(tmp_path):
 
 
 def _check_cp(tmp_path, kinds: tuple, T: int):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), kinds, T), nprocs=WORLD, join=True)
+    # forked, not spawned: 4 workers each importing torch and k3 again took most of the test on 2 cores
+    mp.start_processes(_worker, args=(str(tmp_path / "init"), str(tmp_path), kinds, T), nprocs=WORLD, join=True,
+                       start_method="fork")
     got = torch.load(tmp_path / "cp.pt")
     for kind in kinds:
         ref = _reference(kind, T)

@@ -64,7 +64,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_ep4_matches_one_process(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    # forked, not spawned: 4 workers each importing torch and k3 again took most of the test on 2 cores
+    mp.start_processes(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="fork")
     got = torch.load(tmp_path / "ep.pt")
     moe = _layer()
     x, proj = _inputs()

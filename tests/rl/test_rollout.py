@@ -87,8 +87,18 @@ def test_logprobs_equal_trainer_with_qat(model, prompts):
     assert max_logprob_gap(qat, out.finished, batch_invariant=True) <= 1e-5
 
 
-def test_partial_rollout(model, prompts):
-    prompts = prompts[:2]
+@pytest.fixture(scope="module")
+def two_layers():
+    """k3-tiny cut to 2 layers (KDA + dense FFN, MLA + latent MoE): both kinds of paged state that a
+    pause keeps, at a quarter of the depth; the synchronous reference below decodes 8 trajectories
+    one at a time, in batch-invariant arithmetic."""
+    torch.manual_seed(0)
+    return K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=320, num_hidden_layers=2, kda_layers=[1],
+                                                        full_attn_layers=[2])).eval()
+
+
+def test_partial_rollout(two_layers, prompts):
+    model, prompts = two_layers, prompts[:2]
     # the synchronous reference: one request at a time, no prefix cache, each trajectory alone
     reference = rollouts(model, batch_invariant=True, max_num_seqs=1, enable_prefix_caching=False)
     sync = record(reference.run(prompts, 3, seed=1).finished + reference.run(prompts[:1], 2, seed=2).finished)

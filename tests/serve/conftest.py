@@ -21,7 +21,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def vl_model():
-    model = tiny_multimodal(vocab_size=VOCAB)
+    """The text model cut to 4 layers, KDA and MLA twice each: what these tests check (placeholders,
+    media in the prefix cache, the encoder budget) is per layer kind, not per layer."""
+    model = tiny_multimodal(vocab_size=VOCAB, num_hidden_layers=4, kda_layers=[1, 3], full_attn_layers=[2, 4])
     model.config.media_placeholder_token_id = PLACEHOLDER
     return model
 

@@ -1,16 +1,17 @@
-"""The engine with the real k3-tiny model at random init: greedy outputs equal the model's own
-`generate` for any prefix-cache setting, batch composition and chunked-prefill size, with decode
-steps continuing on the decode slots without refilling them; requests leaving and joining
-mid-decode change nobody else's tokens, and a packed step's cache is freed at once; the
-decode-graph bookkeeping (one capture per slot shape, replayed across batch changes, all dropped
-when the slots grow) is exact, with the graph stood in for on CPU; short prompts hit on resend; a
-10-turn chat reuses its previous turns."""
+"""The engine with the real k3-tiny model (4 of its layers) at random init: greedy outputs equal
+the model's own `generate` for any prefix-cache setting, batch composition and chunked-prefill
+size, with decode steps continuing on the decode slots without refilling them; requests leaving
+and joining mid-decode change nobody else's tokens, and a packed step's cache is freed at once;
+the decode-graph bookkeeping (one capture per slot shape, replayed across batch changes, all
+dropped when the slots grow) is exact, with the graph stood in for on CPU; short prompts hit on
+resend; a 10-turn chat reuses its previous turns."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import logging
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -40,8 +41,11 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
+    """k3-tiny cut to 4 layers, KDA and MLA twice each (MLA last, as in K3): every kind of paged
+    state on more than one layer, at half the depth (the engine's checks are per layer kind)."""
     torch.manual_seed(0)
-    cfg = load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size())
+    cfg = load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size(), num_hidden_layers=4,
+                                         kda_layers=[1, 3], full_attn_layers=[2, 4])
     return K3ForCausalLM(cfg).eval()
 
 
@@ -193,9 +197,10 @@ class StandInGraph:
     """CUDAGraphDecoder's contract on CPU: a warm-up step that the cache is restored from, then
     each step runs on exactly the tensors seen at capture (a real graph would read and write those
     addresses whatever the cache held later; a reallocated buffer would go silently stale)."""
-    shapes: list[tuple[int, int]] = []
-    pools_given: list = []
-    pools_made: list = []
+    # shared by every instance on purpose: the test reads what all the captures saw
+    shapes: ClassVar[list[tuple[int, int]]] = []
+    pools_given: ClassVar[list] = []
+    pools_made: ClassVar[list] = []
 
     def __init__(self, model, cache, warmup_steps: int = 2, pool=None):
         mla = next(s for s in cache.layers if isinstance(s, MLAState))

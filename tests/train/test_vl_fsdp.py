@@ -15,6 +15,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from k3.train.metrics import MetricsLog
 from k3.train.vl_trainer import VLTrainer
@@ -38,6 +41,21 @@ def _close(a: list[tuple], b: list[tuple], what: str) -> None:
             assert abs(u - v) <= REL_TOL * abs(v), f"{what}, step {step}: {x} against {y}"
 
 
+def test_ranks_share_out_the_one_process_step():
+    """The default run's check of the split the two-process test below (`-m slow`) trains on: the
+    ranks' contiguous shares of a step's windows and scenes, in rank order, are the one-process
+    step's, for any world size that divides them. FSDP itself against one process, and resuming
+    its checkpoint in one process: tests/train/test_fsdp.py (the text trainer)."""
+    windows, scenes = list(range(12)), list(range(100, 104))
+    for size in (1, 2, 4):
+        shares = [VLTrainer.rank_items(SimpleNamespace(step_items=lambda: (windows, scenes),
+                                                       world=SimpleNamespace(rank=rank, size=size)))
+                  for rank in range(size)]
+        assert [w for ws, _ in shares for w in ws] == windows and [d for _, ds in shares for d in ds] == scenes
+        assert {len(ws) for ws, _ in shares} == {len(windows) // size}
+
+
+@pytest.mark.slow  # three processes each importing torch and k3, then two more runs: ~10-15 s on 2 cores
 def test_two_process_vl_matches_one_process_and_resumes_single(tmp_path):
     same = {"balance": "histogram", "keep": 3, "keep_all_state": True}  # every checkpoint resumable
     two = micro_settings(tmp_path, "two", **same)
