@@ -20,7 +20,7 @@ from k3.tasks.tools import call_tool
 
 def turn(client, model: str, messages: list[dict], tools: list[dict], stream: bool):
     """(content or None, [(id, name, arguments)], finish_reason) of one greedy reply."""
-    kw = dict(model=model, messages=messages, tools=tools, temperature=0, max_tokens=160)
+    kw = {"model": model, "messages": messages, "tools": tools, "temperature": 0, "max_tokens": 160}
     if not stream:
         choice = client.chat.completions.create(**kw).choices[0]
         calls = [(t.id, t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]

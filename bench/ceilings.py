@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 def table(c: dict, device_name: str) -> str:
     return "\n".join([
         f"| ceiling on {device_name} | measured | H200 datasheet |", "|---|---|---|",
-        f"| bf16 matmul, n={c['matmul_n']} (TFLOP/s) | {c['matmul_bf16_tflops']:.1f} "
-        f"| {c['datasheet_bf16_tflops']:.0f} |",
-        f"| device copy, {c['copy_bytes'] >> 20} MiB, read+write (GB/s) | {c['copy_gbps']:.1f} "
-        f"| {c['datasheet_hbm_gbps']:.0f} |"])
+        (f"| bf16 matmul, n={c['matmul_n']} (TFLOP/s) | {c['matmul_bf16_tflops']:.1f} "
+        f"| {c['datasheet_bf16_tflops']:.0f} |"),
+        (f"| device copy, {c['copy_bytes'] >> 20} MiB, read+write (GB/s) | {c['copy_gbps']:.1f} "
+        f"| {c['datasheet_hbm_gbps']:.0f} |")])
 
 
 if __name__ == "__main__":

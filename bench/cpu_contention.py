@@ -36,7 +36,7 @@ def train_seconds_per_step(steps: int, threads: str | None, out: Path) -> float:
     cmd = [sys.executable, "-m", "k3", *(["--threads", threads] if threads else []), "train", "--steps", str(steps),
            "--out", str(out), "--no-progress", "--eval-every", str(steps + 1), "--ckpt-every", str(steps + 1),
            "--eval-windows", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"bench.cpu_contention: `{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -65,7 +65,7 @@ class Server:
         port = self.url.rsplit(":", 1)[1]
         cmd = [sys.executable, "-m", "k3", *(["--threads", threads] if threads else []), "serve", "--run", str(run),
                "--port", port, "--log-level", "warning"]
-        self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: an unread pipe can fill and block
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed with the server) a file, not a pipe: an unread pipe can fill and block
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + 120
         while True:

@@ -49,9 +49,9 @@ import gc
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -380,7 +380,7 @@ def bench_kda(device: torch.device, smoke: bool, ceilings: dict, record: Record,
             except torch.cuda.OutOfMemoryError as exc:
                 _skip(record, "kda", name, f"out of memory: {str(exc)[:120]}")
                 continue
-            except Exception as exc:  # e.g. fla.layers missing: this case stops, the others run
+            except Exception as exc:  # noqa: BLE001 (e.g. fla.layers missing: this case stops, the others run)
                 _say(record, {"kind": "bench", "bench": "kda", "name": name, "status": "error",
                               "note": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 break
@@ -489,7 +489,7 @@ def bench_decode(device: torch.device, smoke: bool, ceilings: dict, record: Reco
         except torch.cuda.OutOfMemoryError as exc:
             _skip(record, "decode", name, f"out of memory: {str(exc)[:120]}")
             return True
-        except Exception as exc:  # a failing decode path fails every size alike: say so once
+        except Exception as exc:  # noqa: BLE001 (a failing decode path fails every size alike: say so once)
             _say(record, {"kind": "bench", "bench": "decode", "name": name, "status": "error",
                           "note": f"{type(exc).__name__}: {str(exc)[:200]}"})
             return False
@@ -576,9 +576,9 @@ def bench_moe(device: torch.device, smoke: bool, ceilings: dict, record: Record,
         weights = torch.softmax(torch.randn(tokens, k, device=device), dim=-1)
         flops = 2 * tokens * k * 3 * cfg.moe_hidden_size * cfg.moe_intermediate_size * (3 if backward else 1)
         if backward:
-            fn = _fwd_bwd(lambda: bank(x, weights, idx), [x, bank.w1, bank.w3, bank.w2])
+            fn = _fwd_bwd(lambda x=x, weights=weights, idx=idx: bank(x, weights, idx), [x, bank.w1, bank.w3, bank.w2])
         else:
-            def fn():
+            def fn(x=x, weights=weights, idx=idx):
                 with torch.no_grad():
                     bank(x, weights, idx)
         chosen = "grouped_mm" if grouped_mm_available(x) else "per-expert loop"
@@ -601,8 +601,8 @@ def bench_serve(device: torch.device, smoke: bool, ceilings: dict, record: Recor
 
     size, prompts, prompt_len, new_tokens, vocab = ("tiny", 4, 16, 8, 4096) if smoke else ("gpu", 32, 512, 64, 32000)
     # then a mixed workload at the same concurrency, where continuous batching counts (HF in static batches)
-    mixed = dict(requests=6, prompt_lens=(4, 24), new_tokens=(2, 8)) if smoke else \
-        dict(requests=96, prompt_lens=(32, 512), new_tokens=(8, 128))
+    mixed = {"requests": 6, "prompt_lens": (4, 24), "new_tokens": (2, 8)} if smoke else \
+        {"requests": 96, "prompt_lens": (32, 512), "new_tokens": (8, 128)}
     results = run(size, device, prompts, prompt_len, new_tokens, vocab,
                   mixed=dict(mixed, concurrency=prompts, budget=prompts * prompt_len))
     for workload, result in results:  # each recorded when done: the mixed one may not fit the deadline

@@ -27,8 +27,8 @@ import math
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from k3.model.mla import GatedMLA
 from k3.threads import configure

@@ -40,14 +40,14 @@ from k3.serve.sampling import SamplingParams
 # (12 layers of width 1024, 8 KDA heads of 128, MLA at 4, 8, 12 with the official 512/64 latent
 # and 128/128 heads, 32 experts of which 4 are picked, plus a shared one).
 SIZES = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, intermediate_size=384,
-                 moe_intermediate_size=96, num_experts=16, num_experts_per_token=2, kv_lora_rank=32,
-                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_head_dim=32, kda_heads=4,
-                 mla_layers=[4, 8]),
-    "gpu": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, intermediate_size=2816,
-                moe_intermediate_size=512, num_experts=32, num_experts_per_token=4, kv_lora_rank=512,
-                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kda_head_dim=128, kda_heads=8,
-                mla_layers=[4, 8, 12]),
+    "tiny": {"hidden_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "intermediate_size": 384,
+                 "moe_intermediate_size": 96, "num_experts": 16, "num_experts_per_token": 2, "kv_lora_rank": 32,
+                 "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "kda_head_dim": 32, "kda_heads": 4,
+                 "mla_layers": [4, 8]},
+    "gpu": {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 8, "intermediate_size": 2816,
+                "moe_intermediate_size": 512, "num_experts": 32, "num_experts_per_token": 4, "kv_lora_rank": 512,
+                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "kda_head_dim": 128, "kda_heads": 8,
+                "mla_layers": [4, 8, 12]},
 }
 
 
@@ -77,7 +77,7 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, list[list[int]]]:
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
     _sync(prompts.device)
     t = time.perf_counter()
     model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kw)
@@ -150,7 +150,7 @@ def bench_hf_batches(model, prompts: list[list[int]], new_tokens: list[int],
     KDA layers honour by zeroing padded inputs), each batch decoding for its longest request.
     Returns the elapsed time, each request's tokens and the number of rows decoded."""
     device = next(model.parameters()).device
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
     outputs, rows = [], 0
     _sync(device)
     t0 = time.perf_counter()
@@ -333,9 +333,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    mixed = None if not args.mixed else dict(
-        requests=args.mixed, prompt_lens=args.mixed_prompt_lens, new_tokens=args.mixed_new_tokens,
-        concurrency=args.prompts, budget=args.prompts * args.prompt_len, profile=args.profile)
+    mixed = None if not args.mixed else {
+        "requests": args.mixed, "prompt_lens": args.mixed_prompt_lens, "new_tokens": args.mixed_new_tokens,
+        "concurrency": args.prompts, "budget": args.prompts * args.prompt_len, "profile": args.profile}
     results = dict(run(args.size, device, args.prompts, args.prompt_len, args.new_tokens, args.vocab,
                        not args.no_warmup, mixed, args.modes))
     r = results["uniform"]

@@ -28,7 +28,7 @@ from k3.threads import configure
 if __name__ == "__main__":  # before torch loads: the threads `k3 train` would pick (k3/threads.py)
     configure()
 
-import torch  # noqa: E402
+import torch
 from PIL import Image
 
 from k3.data import shapes_corpus as corpus

@@ -7,8 +7,8 @@ keeps the target's suffix (numpy and matplotlib choose the format from it).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:

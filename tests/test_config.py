@@ -48,12 +48,12 @@ def test_presets_keep_k3_structure(name):
 
 
 @pytest.mark.parametrize("changes, field", [
-    (dict(gate_lower_bound=-6.0), "gate_lower_bound"),
-    (dict(gate_lower_bound=0.0), "gate_lower_bound"),
-    (dict(kda_layers=[1, 2, 3], full_attn_layers=[4]), "linear_attn_config"),
-    (dict(num_experts_per_token=99), "num_experts_per_token"),
-    (dict(num_key_value_heads=3), "num_key_value_heads"),
-    (dict(hidden_act="gelu"), "hidden_act"),
+    ({"gate_lower_bound": -6.0}, "gate_lower_bound"),
+    ({"gate_lower_bound": 0.0}, "gate_lower_bound"),
+    ({"kda_layers": [1, 2, 3], "full_attn_layers": [4]}, "linear_attn_config"),
+    ({"num_experts_per_token": 99}, "num_experts_per_token"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_invalid_config_names_field(changes, field):
     with pytest.raises(ConfigError, match=field):

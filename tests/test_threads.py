@@ -88,27 +88,27 @@ def test_cgroup_v1_quota(tmp_path):
 
 def test_k3_does_not_import_torch():
     code = "import sys, k3, k3.cli, k3.threads; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
 
 def test_configure_reaches_torch_and_openmp():
     code = ("import os, json; from k3.threads import configure; c = configure(None); import torch; "
             "print(json.dumps([torch.get_num_threads(), os.environ['OMP_WAIT_POLICY'], c.source]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=120,
                          env=_clean_env(K3_NUM_THREADS="1"))
     assert json.loads(out.stdout) == [1, "PASSIVE", "K3_NUM_THREADS"], out.stderr
 
 
 def test_cli_prints_the_choice_once_and_takes_threads_anywhere():
     cmd = [sys.executable, "-m", "k3", "params", "--config", "k3-tiny", "--json", "--threads", "1"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=_clean_env())
+    out = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=120, env=_clean_env())
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and re.fullmatch(r"k3: 1 thread \(from --threads; \d+ CPUs? available; "
                                             r"OMP_WAIT_POLICY=PASSIVE\)", lines[0]), out.stderr
     assert json.loads(out.stdout)["total"] > 0  # stdout stays machine-readable
-    bad = subprocess.run([sys.executable, "-m", "k3", "--threads", "0", "params"], cwd=REPO, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "k3", "--threads", "0", "params"], check=False, cwd=REPO, capture_output=True,
                          text=True, timeout=60, env=_clean_env())
     assert bad.returncode == 2
     assert bad.stderr.strip() == "k3 params: error: --threads must be a positive integer, got '0'"

@@ -60,9 +60,9 @@ def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path} is listed in {INDEX_NAME} but missing")
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
                     tensors[name] = f.get_tensor(name)
-        except Exception as e:  # safetensors' SafetensorError derives from Exception only
+        except Exception as e:  # noqa: BLE001 (safetensors' SafetensorError derives from Exception only)
             raise CheckpointError(f"{path} is not a readable safetensors file "
                                   f"(truncated or corrupted?): {e}") from None
     return tensors

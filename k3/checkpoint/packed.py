@@ -134,7 +134,7 @@ def check_quantization_config(qc: dict) -> None:
 def with_quantization_config(config: K3Config) -> dict:
     """config.json dict carrying the published quantization_config (in text_config, as published)."""
     d = config.to_dict()
-    (d["text_config"] if "text_config" in d else d)["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
+    d.get("text_config", d)["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
     return d
 
 

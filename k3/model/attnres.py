@@ -24,7 +24,7 @@ class BlockSource:
     """A finished block: its fp32 value and the value's per-token RMS rstd (computed once, read by
     every later read)."""
 
-    __slots__ = ("value", "rstd")
+    __slots__ = ("rstd", "value")
 
     def __init__(self, value: torch.Tensor, eps: float):
         self.value = value.float()

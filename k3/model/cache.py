@@ -41,7 +41,7 @@ class KDAInputs:
     g_raw: torch.Tensor | None = None
     beta: torch.Tensor | None = None
 
-    def take(self, index: torch.Tensor) -> "KDAInputs":
+    def take(self, index: torch.Tensor) -> KDAInputs:
         """The inputs of the tokens at `index` (positions along T)."""
         return KDAInputs(*(t[:, index] for t in (self.conv_inputs, self.k, self.v, self.g_raw, self.beta)))
 
@@ -53,7 +53,7 @@ class KDAState:
     record: KDAInputs | None = None  # set: the next forward stores its per-token inputs here
 
     @classmethod
-    def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32) -> "KDAState":
+    def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32) -> KDAState:
         c = config.kda_num_heads * config.kda_head_dim
         return cls(
             conv=torch.zeros(num_seqs, 3 * c, config.short_conv_kernel_size - 1, device=device, dtype=dtype),
@@ -61,7 +61,7 @@ class KDAState:
                                   device=device, dtype=torch.float32),
         )
 
-    def select(self, index: torch.Tensor | list[int]) -> "KDAState":
+    def select(self, index: torch.Tensor | list[int]) -> KDAState:
         return KDAState(self.conv[index].clone(), self.recurrent[index].clone())
 
 
@@ -74,7 +74,7 @@ class MLAState:
 
     @classmethod
     def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32,
-              capacity: int = 0) -> "MLAState":
+              capacity: int = 0) -> MLAState:
         width = config.mla_cache_width
         return cls(torch.zeros(num_seqs, capacity, width, device=device, dtype=dtype),
                    torch.zeros(num_seqs, dtype=torch.long, device=device))
@@ -96,7 +96,7 @@ class MLAState:
         grown[:, :self.capacity] = self.buffer
         self.buffer = grown
 
-    def select(self, index: list[int]) -> "MLAState":
+    def select(self, index: list[int]) -> MLAState:
         return MLAState(self.buffer[index].clone(), self.lengths[index].clone())
 
 
@@ -109,7 +109,7 @@ class K3Cache:
 
     @classmethod
     def empty(cls, config: K3Config, num_seqs: int, device=None, dtype=torch.float32,
-              capacity: int = 0) -> "K3Cache":
+              capacity: int = 0) -> K3Cache:
         """`capacity`: MLA rows to allocate up front (a CUDA-graph decode needs them all before capture)."""
         layers = [
             MLAState.empty(config, num_seqs, device, dtype, capacity) if config.is_mla_layer(i)
@@ -129,6 +129,6 @@ class K3Cache:
             if isinstance(layer, MLAState):
                 layer.reserve(needed)
 
-    def select(self, index: list[int]) -> "K3Cache":
+    def select(self, index: list[int]) -> K3Cache:
         """A cache holding copies of the chosen sequences' states (in the given order)."""
         return K3Cache([layer.select(index) for layer in self.layers], self.lengths[index].clone())

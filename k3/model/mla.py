@@ -27,7 +27,7 @@ as one batch and each longer document alone.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 import torch
 import torch.nn.functional as F
@@ -242,4 +242,4 @@ class GatedMLA(nn.Module):
 def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) of each document of a packed row."""
     b = cu_seqlens.tolist()
-    return list(zip(b[:-1], b[1:]))
+    return list(pairwise(b))

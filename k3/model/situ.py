@@ -15,7 +15,7 @@ are stacked in k3/model/experts.py.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -11,6 +11,8 @@ sequence's real end), so padded positions never change a real output or a final 
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -25,7 +27,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, tokens: int) -> int:
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != tokens:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={tokens}, got {bounds[0]}..{bounds[-1]}")
-    if any(b < a for a, b in zip(bounds, bounds[1:])):
+    if any(b < a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
     return len(bounds) - 1
 

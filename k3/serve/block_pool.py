@@ -12,7 +12,7 @@ free list and LRU eviction falls out of the queue order:
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 
 class NoFreePagesError(RuntimeError):

@@ -50,7 +50,7 @@ class DecodeSlots:
         self.holds: list | None = None
 
     def _allocate(self, rows: int, columns: int) -> None:
-        kw = dict(device=self.device)
+        kw = {"device": self.device}
         self.conv = torch.zeros(len(self.kda_layers), rows, *self._conv_shape, dtype=self.dtype, **kw)
         self.recurrent = torch.zeros(len(self.kda_layers), rows, *self._state_shape, dtype=torch.float32, **kw)
         self.latents = torch.zeros(len(self.mla_layers), rows, columns, self._latent_width, dtype=self.dtype, **kw)

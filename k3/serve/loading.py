@@ -90,7 +90,7 @@ def load_for_serving(run: str | None = None, model: str | None = None, tokenizer
         tok = load_tokenizer(tok_path)
     except OSError:
         raise
-    except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception on a malformed file)
         raise ValueError(f"{tok_path} is not a readable tokenizer file ({e})") from None
     load = load_pretrained_multimodal if is_multimodal_checkpoint(folder) else load_pretrained
     net = load(folder, device=torch.device(device), dtype=DTYPES[dtype]).eval()

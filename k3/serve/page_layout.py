@@ -34,7 +34,7 @@ class PageLayout:
     dtype: torch.dtype  # model dtype (latents, conv tails); the recurrent state is fp32
 
     @classmethod
-    def from_config(cls, config: K3Config, block_size: int, dtype: torch.dtype = torch.float32) -> "PageLayout":
+    def from_config(cls, config: K3Config, block_size: int, dtype: torch.dtype = torch.float32) -> PageLayout:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):

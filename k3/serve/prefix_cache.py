@@ -22,8 +22,8 @@ import hashlib
 import logging
 from array import array
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from k3.serve.block_pool import BlockPool
 from k3.serve.page_layout import PageLayout

@@ -102,7 +102,7 @@ def load_tokenizer(directory_or_file: str | Path) -> Tokenizer:
         raise FileNotFoundError(f"no {TOKENIZER_FILE} at {path}")
     try:
         tokenizer = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers reports a damaged file as a bare Exception
+    except Exception as e:  # noqa: BLE001 (tokenizers reports a damaged file as a bare Exception)
         raise ValueError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     return prepare(tokenizer)
 

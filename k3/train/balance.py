@@ -23,7 +23,7 @@ caller that shards the batch passes `reduce_fn` (e.g. an all-reduce SUM of an in
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

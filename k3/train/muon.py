@@ -97,7 +97,7 @@ def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
 def orthogonalize(update: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """Newton-Schulz of each block of 2-D updates [..., R, C] (a leading dim stacks weights of one
     shape), each scaled by 0.2*sqrt(max(block rows, block cols)) (Moonlight, from the block shape)."""
-    *lead, rows, cols = update.shape
+    *_lead, rows, cols = update.shape
     x = update.reshape(-1, rows, cols)
     n = x.shape[0]
     if blocks.axis is None:
@@ -156,8 +156,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         for g in groups:
             if g.get("kind") not in ("muon", "adamw"):
                 raise ValueError(f"param group {g.get('name')!r}: kind must be 'muon' or 'adamw'")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, betas=betas, eps=eps,
-                        weight_decay=weight_decay, block_axis=None, block_size=None)
+        defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "betas": betas, "eps": eps,
+                        "weight_decay": weight_decay, "block_axis": None, "block_size": None}
         super().__init__(groups, defaults)
         # State exists for every parameter from the start (also one that never gets a gradient,
         # like layer 0's AttnRes query), so every checkpoint holds the same complete set.

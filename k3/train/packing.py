@@ -43,7 +43,7 @@ class PackedBatch:
     labels: torch.Tensor  # [1, N] long, IGNORE_INDEX where the target crosses a document start
     cu_seqlens: torch.Tensor  # [S+1] long, segment boundaries inside the row
 
-    def to(self, device) -> "PackedBatch":
+    def to(self, device) -> PackedBatch:
         return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.cu_seqlens.to(device))
 
 

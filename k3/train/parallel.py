@@ -9,7 +9,7 @@ slice of every global batch. Gradients are averaged across ranks by FSDP's reduc
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from k3.train.errors import TrainError
 class World:
     rank: int = 0
     size: int = 1
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def is_main(self) -> bool:

@@ -41,8 +41,8 @@ def make_gate(B, T, H, K, form):
 
 def make_config(gate: str, **changes):
     """'lb': K3 (lower-bounded gate, full-rank output gate); 'softplus': Kimi Linear."""
-    family = dict(gate_lower_bound=-5.0, use_full_rank_gate=True) if gate == "lb" else \
-        dict(gate_lower_bound=None, use_full_rank_gate=False)
+    family = {"gate_lower_bound": -5.0, "use_full_rank_gate": True} if gate == "lb" else \
+        {"gate_lower_bound": None, "use_full_rank_gate": False}
     return load_config("k3-tiny").replace(hidden_size=D, kda_num_heads=H, kda_head_dim=K, **family, **changes)
 
 

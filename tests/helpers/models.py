@@ -9,10 +9,10 @@ from k3.model.transformer import K3ForCausalLM
 
 def small_config(**changes) -> K3Config:
     """k3-tiny shrunk further; still 3:1 KDA:MLA, final MLA, dense layer 0, AttnRes, latent MoE."""
-    base = dict(hidden_size=64, intermediate_size=128, kda_head_dim=16, kda_num_heads=2, num_attention_heads=2,
-                num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                v_head_dim=16, num_experts=8, num_experts_per_token=2, moe_intermediate_size=32,
-                routed_expert_hidden_size=32, vocab_size=256, kda_chunk_size=16)
+    base = {"hidden_size": 64, "intermediate_size": 128, "kda_head_dim": 16, "kda_num_heads": 2, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                "v_head_dim": 16, "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+                "routed_expert_hidden_size": 32, "vocab_size": 256, "kda_chunk_size": 16}
     base.update(changes)
     return load_config("k3-tiny").replace(**base)
 

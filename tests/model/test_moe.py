@@ -19,9 +19,9 @@ def latent_config(**changes) -> K3Config:
 def kimi_linear_config(**changes) -> K3Config:
     """Kimi-Linear structure at toy width: classic full-width MoE, SwiGLU, scaling 2.446."""
     cfg = K3Config.from_json(KIMI_LINEAR_CONFIG_JSON)
-    small = dict(hidden_size=D, num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4], num_attention_heads=2,
-                 num_key_value_heads=2, kda_num_heads=2, kda_head_dim=16, num_experts=8, num_experts_per_token=3,
-                 moe_intermediate_size=24)
+    small = {"hidden_size": D, "num_hidden_layers": 4, "kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "kda_num_heads": 2, "kda_head_dim": 16, "num_experts": 8, "num_experts_per_token": 3,
+                 "moe_intermediate_size": 24}
     return cfg.replace(**small, **changes)
 
 
@@ -131,7 +131,7 @@ def test_matches_transformers_kimi_linear_moe():
 def test_bias_selects_but_does_not_weight():
     gate = MoEGate(latent_config())
     x = torch.randn(64, D)
-    w0, idx0 = gate(x)
+    _w0, idx0 = gate(x)
     with torch.no_grad():
         gate.e_score_correction_bias[5] = 10.0  # expert 5 now wins every token's first slot
     w1, idx1 = gate(x)

@@ -140,7 +140,7 @@ def test_packed_decode_rows_equal_padded_chunk_with_gradients(with_state):
     (o_ref, s_ref, g_ref), (o, s, g) = results
     assert_rel_close("o", o_ref, o, TOL)
     assert_rel_close("state", s_ref, s, TOL)
-    for name, a, b in zip("q k v g beta h0".split(), g_ref, g):
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], g_ref, g):
         assert_rel_close(f"d{name}", a, b, TOL)
 
 

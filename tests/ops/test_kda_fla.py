@@ -154,7 +154,7 @@ def test_fla_in_kernel_gate_matches_torch_gate(B, T, form, lengths):
                      [results["fla"][n] for n in kept])
     fla, got = leaves["fla"], results["fla"]
     assert_gate_parameter_sums(fla[3], fla[7], gate.lower_bound, got[5], got[8], got[9])
-    decoded = decode_pair(*leaves.values(), lambda x: dict(gate=DecayGate(*x[6:], gate.lower_bound)))
+    decoded = decode_pair(*leaves.values(), lambda x: {"gate": DecayGate(*x[6:], gate.lower_bound)})
     assert_close_all(["decode o", "decode state"], *decoded)  # with the gate in-kernel
 
 
@@ -271,7 +271,7 @@ def test_fla_normalize_qk_in_kernel_matches_chunk():
         o, s = kda(*x[:5], initial_state=x[5], output_final_state=True, impl=impl, normalize_qk=True)
         results[impl] = (o, s, *torch.autograd.grad((o.float() * do).sum(), x[:2]))
     assert_close_all(("o", "state", "dq", "dk"), results["chunk"], results["fla"])
-    assert_close_all(["decode o", "decode state"], *decode_pair(*leaves.values(), lambda x: dict(normalize_qk=True)))
+    assert_close_all(["decode o", "decode state"], *decode_pair(*leaves.values(), lambda x: {"normalize_qk": True}))
 
 
 def test_auto_keeps_fp32_on_torch_paths():

@@ -58,7 +58,7 @@ def test_reused_weight_quantization_follows_every_weight_update():
     apply_qat(model)
     bank = next(m for m in model.modules() if isinstance(m, MXQATExperts))
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
-    fresh = lambda: [fake_quantize(w.detach(), E2M1, "ceil") for w in (bank.w1, bank.w3, bank.w2)]  # noqa: E731
+    fresh = lambda: [fake_quantize(w.detach(), E2M1, "ceil") for w in (bank.w1, bank.w3, bank.w2)]
     with torch.no_grad():
         plain = model(ids)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -88,7 +88,7 @@ def test_reused_weight_quantization_follows_every_weight_update():
 
 def _expert_reference(x, w1, w3, w2, act):
     """One expert, written out: an MXFP8 (E4M3) straight-through cast on every matmul input."""
-    q = lambda t: fake_quantize_ste(t, E4M3, "floor")  # noqa: E731
+    q = lambda t: fake_quantize_ste(t, E4M3, "floor")
     h = act(F.linear(q(x), w1), F.linear(q(x), w3))
     return F.linear(q(h), w2)
 
@@ -136,9 +136,9 @@ def _run(settings_kwargs: dict, qat: bool):
 
 RUNS = {
     # k3-tiny itself: the acceptance run (minutes on a busy 2-core CPU)
-    "k3-tiny": pytest.param(dict(config="k3-tiny", steps=20, batch_size=4, seq_len=64), marks=pytest.mark.slow),
+    "k3-tiny": pytest.param({"config": "k3-tiny", "steps": 20, "batch_size": 4, "seq_len": 64}, marks=pytest.mark.slow),
     # the same check on the test suite's small config, fast enough for every run
-    "small": dict(config=None, steps=3, batch_size=2, seq_len=32),
+    "small": {"config": None, "steps": 3, "batch_size": 2, "seq_len": 32},
 }
 
 

@@ -112,7 +112,7 @@ def test_frames_are_shrunk_as_decoded_to_what_the_processor_makes_of_them():
 
 
 def test_a_video_over_the_model_length_is_refused_before_its_frames_are_kept(monkeypatch):
-    import k3.media.video as video
+    from k3.media import video
     from k3.media.image_processor import ImageProcessor
     from k3.serve.api.images import ImageError
     from k3.serve.api.videos import prepare_video

@@ -171,10 +171,10 @@ def test_balance_step_updates_every_layer_from_recorded_scores(rule):
     balance_step(model, rule, reduce_fn=None if rule == "quantile" else reduce_fn)
     for name, layer in model.items():
         scores, old, count = recorded[name]
-        expected = {"quantile": lambda: quantile_balance(scores, old, 2),
-                    "histogram": lambda: histogram_balance(margin_histogram(scores, old, 2, margin_edges()) * 2,
+        expected = {"quantile": lambda scores=scores, old=old: quantile_balance(scores, old, 2),
+                    "histogram": lambda scores=scores, old=old: histogram_balance(margin_histogram(scores, old, 2, margin_edges()) * 2,
                                                            margin_edges(), 2),
-                    "sign": lambda: sign_update(old, count * 2)}[rule]()
+                    "sign": lambda old=old, count=count: sign_update(old, count * 2)}[rule]()
         assert torch.equal(layer.gate.e_score_correction_bias, expected)
         assert layer.gate.last_scores is None  # consumed
     assert reduced == ([] if rule == "quantile" else [torch.int64, torch.int64])

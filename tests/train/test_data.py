@@ -32,7 +32,7 @@ def test_split_is_deterministic_disjoint_and_order_free(bundled):
     train, val = split_documents(bundled, 0.02)
     assert len(val) == 1 and len(train) == 41
     assert {d.id for d in train}.isdisjoint({d.id for d in val})
-    train2, val2 = split_documents(list(reversed(bundled)), 0.02)
+    _train2, val2 = split_documents(list(reversed(bundled)), 0.02)
     assert {d.id for d in val2} == {d.id for d in val}
     _, val10 = split_documents(bundled, 0.1)
     assert len(val10) == 5 and {d.id for d in val} <= {d.id for d in val10}

@@ -29,7 +29,7 @@ def test_two_process_fsdp_matches_one_process_and_resumes_single(tmp_path):
     # the 2-process run through the CLI; the single-process run then reads its run.json (same settings exactly)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "k3", "train", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                           "-m", "k3", "train", *argv], check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = losses(settings.out)
 

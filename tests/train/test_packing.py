@@ -2,6 +2,8 @@
 its documents' separate losses (KDA state and MLA attention never cross a document)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -23,7 +25,7 @@ def make_stream(lengths: list[int], vocab: int = 64, seed: int = 0) -> tuple[Tok
 
 
 def test_windows_tile_the_stream_and_mask_only_boundaries():
-    stream, docs = make_stream([5, 30, 3, 17, 40])
+    stream, _docs = make_stream([5, 30, 3, 17, 40])
     T = 16
     n = stream.num_windows(T, partial=True)
     targets = []
@@ -69,7 +71,7 @@ def small_model():
 
 
 def test_packed_loss_equals_sum_of_separate_document_losses(small_model):
-    stream, docs = make_stream([9, 27, 4, 50, 13, 22])
+    stream, _docs = make_stream([9, 27, 4, 50, 13, 22])
     T = 40
     n = stream.num_windows(T)
     b = pack(stream, list(range(n)), T)
@@ -78,7 +80,7 @@ def test_packed_loss_equals_sum_of_separate_document_losses(small_model):
         packed = F.cross_entropy(logits[0], b.labels[0], ignore_index=IGNORE_INDEX, reduction="sum")
         separate = torch.zeros(())
         cu = b.cu_seqlens.tolist()
-        for lo, hi in zip(cu[:-1], cu[1:]):  # each (piece of a) document alone, fresh state
+        for lo, hi in itertools.pairwise(cu):  # each (piece of a) document alone, fresh state
             seg_logits = small_model(b.input_ids[:, lo:hi])
             separate += F.cross_entropy(seg_logits[0], b.labels[0, lo:hi], ignore_index=IGNORE_INDEX, reduction="sum")
     assert len(cu) - 1 > n  # the batch really holds several documents per window

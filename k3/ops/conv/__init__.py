@@ -62,4 +62,4 @@ def causal_conv1d(
                    output_final_state=output_final_state, activation=activation)
 
 
-__all__ = ["causal_conv1d", "IMPLS"]
+__all__ = ["IMPLS", "causal_conv1d"]

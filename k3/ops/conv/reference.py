@@ -27,7 +27,7 @@ def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, *, initial_state:
 def _conv(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
           lengths: torch.Tensor, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [N, L, C] (sequence n real up to lengths[n], zero-padded after)."""
-    N, L, C = x.shape
+    N, _L, C = x.shape
     W = weight.shape[1]
     head = x.new_zeros(N, C, W - 1) if initial_state is None else initial_state.to(x.dtype)
     xt = torch.cat([head, x.transpose(1, 2)], dim=2)  # [N, C, W-1+L]: tail, then the inputs

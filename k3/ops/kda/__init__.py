@@ -79,8 +79,8 @@ def kda(
         impl = "recurrent"
         if not torch.compiler.is_compiling():  # logging inside a traced region would break the graph
             _announce(impl, q.device.type, v.dtype)
-    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                  cu_seqlens=cu_seqlens)
+    common = {"scale": scale, "initial_state": initial_state, "output_final_state": output_final_state,
+                  "cu_seqlens": cu_seqlens}
     if impl != "fla" and normalize_qk:
         q, k = l2_normalize(q.float()), l2_normalize(k.float())
     if impl != "fla" and gate is not None:
@@ -118,4 +118,4 @@ def _announce(impl: str, device: str, dtype: torch.dtype) -> None:
     logger.info("ops.kda: %s (%s, %s)", impl, device, dtype)
 
 
-__all__ = ["kda", "kda_chunk", "kda_recurrent", "DecayGate", "activate_gate", "IMPLS"]
+__all__ = ["IMPLS", "DecayGate", "activate_gate", "kda", "kda_chunk", "kda_recurrent"]

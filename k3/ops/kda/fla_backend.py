@@ -71,8 +71,8 @@ def kda_fla(
         initial_state = initial_state.float().contiguous()
     inputs = (q, k, v, g, beta, initial_state) + ((gate.A_log, gate.dt_bias) if gate is not None else ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs if t is not None)
-    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                  cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=normalize_qk)
+    common = {"scale": scale, "initial_state": initial_state, "output_final_state": output_final_state,
+                  "cu_seqlens": cu_seqlens, "use_qk_l2norm_in_kernel": normalize_qk}
     if gate is not None:
         common.update(use_gate_in_kernel=True, A_log=gate.A_log.float().reshape(-1),
                       dt_bias=gate.dt_bias.float(), lower_bound=gate.lower_bound)
