@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -77,13 +78,14 @@ def test_deep_stacks_are_squashed_exactly(make_sandbox, monkeypatch):
 
 def test_pause_holds_nothing_and_resume_continues_exactly(make_sandbox):
     sandbox = make_sandbox()
-    sandbox.exec("echo 1 > counter; sleep 30 &")  # a background job does not outlive its exec
+    marker = f"sleep 30.{os.getpid()}{time.monotonic_ns() % 10**6}"  # this test's own, not another run's sleep
+    sandbox.exec(f"echo 1 > counter; {marker} &")  # a background job does not outlive its exec
     before = sandbox.digest()
     cgroup = sandbox._cgroup
     sandbox.pause()
     if cgroup is not None:
         assert not any(d.exists() for d in cgroup.dirs.values())  # no cgroup, so no process either
-    assert not any("sleep 30" in _cmdline(pid) for pid in _host_pids())
+    assert not any(marker in _cmdline(pid) for pid in _host_pids())
     with pytest.raises(SandboxError, match="paused"):
         sandbox.exec("true")
     sandbox.resume()
