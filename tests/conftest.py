@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest_plugins = ["tests.helpers.sandbox"]  # sandbox_support: tests that need bubblewrap skip where it cannot run
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -17,6 +17,7 @@ from k3.rl.rollout import Trajectory
 from k3.rl.trainer import RLSettings, RLTrainer
 from k3.tasks.domains import continue_with_tool_results
 from k3.train.errors import TrainError
+from tests.helpers.rl import reference_first_turn
 from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.helpers.train import quiet, trained_tiny_run
 
@@ -135,13 +136,7 @@ def test_tool_episode_continues_with_the_tool_result(init_run, tmp_path):
     try:
         task = trainer.pool[0]
         call = next(m for m in task.reference if m.get("tool_calls"))
-        prompt = task.render(trainer.chat, None, "max").token_ids
-        whole = trainer.chat.render(task.messages + [call], tools=task.tools, reasoning_effort="max",
-                                    add_generation_prompt=False).token_ids
-        reply_ids = whole[len(prompt):]
-        first = Trajectory("0/0/0", "0/0", 0, 0, list(prompt), 1, 64, tag={"task": 0, "turn": 1},
-                           completion_ids=reply_ids, logprobs=[-1.0] * len(reply_ids), versions=[0] * len(reply_ids),
-                           finish_reason="stop")
+        first, prompt, reply_ids = reference_first_turn(trainer, task, call)
         _, reply = trainer._reply(first)
         assert reply.tool_calls and not reply.errors
         nxt = trainer._continuation(first, first.uid, task, reply)

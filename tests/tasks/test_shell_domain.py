@@ -9,18 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from k3.envs import Sandbox, SandboxError
+from k3.envs import SandboxError
 from k3.rl.cold_start import conversations
 from k3.tasks import shell
 from k3.tasks.domains import continue_with_tool_results, make_domain
-
-
-@pytest.fixture(scope="module")
-def sandbox_support() -> None:
-    try:
-        Sandbox().close()
-    except SandboxError as e:
-        pytest.skip(f"no sandbox on this host: {e}")
+from tests.helpers.rl import reference_first_turn
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +188,6 @@ def test_k3_rl_runs_the_shell_domain(own_tmp, init_run, tmp_path):
 def test_the_rl_trainer_plays_a_shell_episode_in_its_sandbox(own_tmp, init_run, tmp_path):
     """The reference episode through the trainer's turns (token in / token out): the calls run in the
     episode's sandbox, the reward judges it correct, and the sandbox is closed."""
-    from k3.rl.rollout import Trajectory
     from k3.rl.trainer import RLSettings, RLTrainer
     from tests.helpers.train import quiet
 
@@ -204,13 +196,7 @@ def test_the_rl_trainer_plays_a_shell_episode_in_its_sandbox(own_tmp, init_run, 
     trainer = RLTrainer(s, progress=False, log=quiet)
     try:
         task = trainer.pool[0]
-        call = task.reference[0]
-        prompt = task.render(trainer.chat, None, "max").token_ids
-        reply_ids = trainer.chat.render(task.messages + [call], tools=task.tools, reasoning_effort="max",
-                                        add_generation_prompt=False).token_ids[len(prompt):]
-        first = Trajectory("0/0/0", "0/0", 0, 0, list(prompt), 1, 64, tag={"task": 0, "turn": 1},
-                           completion_ids=reply_ids, logprobs=[-1.0] * len(reply_ids), versions=[0] * len(reply_ids),
-                           finish_reason="stop")
+        first, _, _ = reference_first_turn(trainer, task, task.reference[0])
         _, reply = trainer._reply(first)
         assert reply.tool_calls and not reply.errors
         nxt = trainer._continuation(first, first.uid, task, reply)
