@@ -7,10 +7,10 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
+from k3.cache_dir import resolve_cache_dir
 from k3.draft.trainer import DraftSettings
 
 FIELDS = ("steps", "batch_size", "seq_len", "prompt_len", "num_sequences", "sampled_fraction", "unroll",
@@ -72,7 +72,7 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         return _error(str(e))
     out = Path(args.out) if args.out else run_dir / "draft"
-    cache = Path(args.cache_dir or os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3")
+    cache = resolve_cache_dir(args.cache_dir)
     torch.manual_seed(settings.seed)
     print(f"target: {folder}; draft -> {out}", flush=True)
     prompts = corpus_prompts(run_dir, tokenizer, target.config, settings.num_sequences, settings.prompt_len,

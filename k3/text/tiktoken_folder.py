@@ -15,13 +15,13 @@ import base64
 import binascii
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import tokenizers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from k3.atomic import write_atomic
+from k3.cache_dir import resolve_cache_dir
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -178,10 +178,6 @@ def ranks_from_bpe(tok: Tokenizer) -> dict[bytes, int]:
     return ranks
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3") / "tokenizers"
-
-
 def _read_cached(path: Path) -> Tokenizer | None:
     """A cached conversion, or None if it is damaged (then it is rebuilt, never trusted)."""
     try:
@@ -205,7 +201,7 @@ def load_tiktoken_folder(folder: str | Path) -> Tokenizer:
     h = hashlib.sha256(f"tiktoken|{tokenizers.__version__}|".encode() + raw)
     if config.is_file():
         h.update(config.read_bytes())
-    cached = _cache_dir() / f"tiktoken-{h.hexdigest()[:20]}.json"
+    cached = resolve_cache_dir() / "tokenizers" / f"tiktoken-{h.hexdigest()[:20]}.json"
     tok = _read_cached(cached) if cached.is_file() else None
     if tok is not None:
         return tok

@@ -27,6 +27,7 @@ import torch
 from torch.nn import functional as F
 
 from k3.atomic import write_atomic, write_text_atomic
+from k3.cache_dir import resolve_cache_dir
 from k3.checkpoint import training_state as ckpt
 from k3.checkpoint.run_folder import latest_checkpoint
 from k3.config import PRESETS, ConfigError, K3Config, load_config
@@ -285,7 +286,7 @@ class Trainer:
 
     @staticmethod
     def cache_dir(settings) -> Path:
-        return Path(settings.cache_dir or os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3")
+        return resolve_cache_dir(settings.cache_dir)
 
     def _adopt_tokenizer(self, config: K3Config) -> None:
         """self.config = `config` with the tokenizer's special ids; per-id byte counts for bits per byte."""
