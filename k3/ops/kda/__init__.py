@@ -8,8 +8,13 @@ Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same func
 - "chunk":     chunkwise parallel plain torch (`chunk.py`); the CPU training/prefill path. A packed
                batch's one-token sequences run the recurrent step instead (`decode_rows.py`).
 - "fla":       fla's Triton kernels on CUDA (`fla_backend.py`).
+- "segmented": in-device sequence parallelism (`segmented.py`): long sequences cut into `segments`
+               pieces run side by side through the device's chunked kernel (fla on CUDA, chunk on
+               CPU) and joined exactly; forward only.
 "auto" picks fla for half-precision values (bf16, fp16) on CUDA when it imports, else recurrent
-when every sequence is one token long, else chunk; it logs each choice once. fp32 stays on the torch
+when every sequence is one token long, else chunk; on fla it takes "segmented" instead where the
+measured rule (`segmented.auto_segments`) says it is faster: no gradients, few sequences x heads,
+many tokens. It logs each choice once. fp32 stays on the torch
 paths on CUDA too: Triton's fp32 `tl.dot` rounds operands to TF32, so fla's kernels on fp32 inputs
 land 5e-4..3e-3 from the fp32 reference (on an H200; docs/LOG.md), while torch's fp32 matmuls are
 IEEE (torch leaves `allow_tf32` off). fp32 is the precision of references and checks; speed comes
@@ -37,11 +42,12 @@ from k3.ops.kda.decode_rows import kda_split_decode_rows
 from k3.ops.kda.gate import DecayGate, activate_gate
 from k3.ops.kda.inputs import l2_normalize
 from k3.ops.kda.reference import kda_recurrent
+from k3.ops.kda.segmented import auto_segments, kda_segmented
 from k3.ops.varlen import longest_sequence
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ("auto", "chunk", "recurrent", "fla")
+IMPLS = ("auto", "chunk", "recurrent", "fla", "segmented")
 
 
 def kda(
@@ -61,32 +67,51 @@ def kda(
     normalize_qk: bool = False,
     gate: DecayGate | None = None,
     sequential: bool = False,
+    segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None). `sequential`:
     token-by-token arithmetic on every backend (torch: the recurrent reference; fla: its fused
     recurrent kernel, packed rows included), the decode step's own, so a replayed state equals the
-    one a decode step would have reached (k3.ops.kda.replay)."""
+    one a decode step would have reached (k3.ops.kda.replay). `segments`: pieces per sequence on the
+    segmented path (None: the measured rule's choice under "auto", 8 under "segmented")."""
     if impl not in IMPLS:
         raise ValueError(f"kda: impl must be one of {IMPLS}, got {impl!r}")
     if update_state_in_place and (initial_state is None or not output_final_state
                                   or initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         raise ValueError("kda: update_state_in_place needs output_final_state=True and a contiguous fp32 "
                          "initial_state to write into")
+    sequential = sequential or batch_invariant.enabled()  # every token as a decode step computes it
     if impl == "auto":
         impl = _auto_impl(q, v, cu_seqlens)
-    sequential = sequential or batch_invariant.enabled()  # every token as a decode step computes it
+        if impl == "fla" and not (sequential or update_state_in_place or _needs_grad(q, k, v, g, beta, gate)):
+            tokens, sequences = q.shape[0] * q.shape[1], _sequences(q, cu_seqlens)
+            segments = segments or auto_segments(tokens, sequences, q.shape[2], q.device)
+            if segments > 1:
+                impl = "segmented"
+                if not torch.compiler.is_compiling():
+                    _announce(impl, q.device.type, v.dtype)
+    if impl == "segmented" and (sequential or _needs_grad(q, k, v, g, beta, gate)):
+        raise ValueError("kda: impl 'segmented' is forward-only and not token-by-token; use 'fla' or 'chunk'")
     if sequential and impl == "chunk":
         impl = "recurrent"
         if not torch.compiler.is_compiling():  # logging inside a traced region would break the graph
             _announce(impl, q.device.type, v.dtype)
     common = {"scale": scale, "initial_state": initial_state, "output_final_state": output_final_state,
                   "cu_seqlens": cu_seqlens}
-    if impl != "fla" and normalize_qk:
+    in_kernel = impl == "fla" or (impl == "segmented" and _fla_segments(q, v))  # fla normalizes and activates
+    if not in_kernel and normalize_qk:
         q, k = l2_normalize(q.float()), l2_normalize(k.float())
-    if impl != "fla" and gate is not None:
+    if not in_kernel and gate is not None:
         g = activate_gate(g, gate)
     floor = None if gate is None else gate.lower_bound  # every activated g lies above it: chunk's bound
-    if impl == "fla":
+    if impl == "segmented":
+        run = _fla_segment_kernel(scale, chunk_size, normalize_qk, gate) if in_kernel else \
+            _torch_segment_kernel(scale, chunk_size, floor)
+        o, final_state = kda_segmented(run,
+                                       q, k, v, g, beta, segments=segments or 8, initial_state=initial_state,
+                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                       align=chunk_size)
+    elif impl == "fla":
         o, final_state = fla_backend.kda_fla(q, k, v, g, beta, **common, chunk_size=chunk_size,
                                              update_state_in_place=update_state_in_place,
                                              normalize_qk=normalize_qk, gate=gate, sequential=sequential)
@@ -104,6 +129,34 @@ def kda(
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _needs_grad(*tensors) -> bool:
+    gate = tensors[-1]
+    leaves = [*tensors[:-1], *((gate.A_log, gate.dt_bias) if gate is not None else ())]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+
+
+def _sequences(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1  # from shapes: no device sync
+
+
+def _fla_segments(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return q.is_cuda and v.dtype in HALF_DTYPES and fla_kernels.available()
+
+
+def _fla_segment_kernel(scale, chunk_size, normalize_qk, gate):
+    def run(q, k, v, g, beta, state, cu):
+        return fla_backend.kda_fla(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
+                                   cu_seqlens=cu, chunk_size=chunk_size, normalize_qk=normalize_qk, gate=gate)
+    return run
+
+
+def _torch_segment_kernel(scale, chunk_size, floor):
+    def run(q, k, v, g, beta, state, cu):
+        return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
+                         cu_seqlens=cu, chunk_size=chunk_size, decay_floor=floor)
+    return run
 
 
 def _auto_impl(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str:
