@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536, 131072, 524288])
     ap.add_argument("--segments", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    ap.add_argument("--profile", type=int, metavar="S", help="instead: kernel tables of fla and of S segments "
+                    "at the first length")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kda_segments: error: needs CUDA and fla-core with triton")
@@ -67,6 +69,8 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, B=1, H={H}, d={K}, bf16, bounded gate, torch {torch.__version__}")
     print("| T | fla ms | best S | segmented ms | speed-up | rule's S | rule ms | pass ms | scan+correct ms | re-run alt ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    if args.profile:
+        return profile(args.lengths[0], H, K, args.profile)
     for T in args.lengths:
         print(measure(T, H, K, args.segments), flush=True)
         torch.cuda.empty_cache()
@@ -90,6 +94,27 @@ def measure(T: int, H: int, K: int, counts: list[int]) -> str:
     return (f"| {T} | {fla_ms:.2f} | {best} | {times[best]:.2f} | {fla_ms / times[best]:.2f}x | {rule} | "
             f"{rule_ms:.2f} | {pass_ms:.2f} | {times[best] - pass_ms:.2f} | {pass_ms + plain_ms:.2f} |\n"
             "  by S: " + ", ".join(f"{S}: {ms:.2f}" for S, ms in sorted(times.items())))
+
+
+@torch.no_grad()
+def profile(T: int, H: int, K: int, segments: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from bench.kernel_profile import print_kernel_tables
+
+    a, kw = inputs(T, H, K)
+    for title, fn in (("fla chunk_kda", lambda: kda(*a, impl="fla", **kw)),
+                      (f"segmented, S={segments}", lambda: kda(*a, impl="segmented", segments=segments, **kw))):
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        print_kernel_tables(prof, 3, f"{title}, T={T}, H={H}", top=14)
+
 
 if __name__ == "__main__":
     main()

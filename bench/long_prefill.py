@@ -75,7 +75,7 @@ def ttft(folder: Path, args, log: Path) -> list[float]:
     budget = args.tokens + 64
     cmd = [sys.executable, "-m", "k3", "serve", "--model", str(folder), "--device", args.device, "--port", str(port),
            "--max-model-len", str(budget), "--max-num-batched-tokens", str(budget), "--max-num-seqs", "1",
-           "--max-request-bytes", str(16 * args.tokens + (1 << 20)), "--no-prefix-caching", "--served-model-name", "k3", "--log-level", "info"]
+           "--max-request-bytes", str(16 * args.tokens + (1 << 20)), "--no-prefix-caching", "--cache-mb", str(args.cache_mb), "--served-model-name", "k3", "--log-level", "info"]
     if args.device != "cpu":
         cmd += ["--dtype", "bfloat16"]
     with open(log, "w") as out:
@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=0, help="a narrower model (smoke runs); 0: K3's 7168")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache-mb", type=int, default=8192, help="the server's page pool (holds the whole prompt)")
     ap.add_argument("--baseline", default="fla", help="the second folder's kda_impl (default fla)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,9 +12,9 @@ Shapes and layouts in `k3.ops.kda.inputs`. Backends, all computing the same func
                pieces run side by side through the device's chunked kernel (fla on CUDA, chunk on
                CPU) and joined exactly; forward only.
 "auto" picks fla for half-precision values (bf16, fp16) on CUDA when it imports, else recurrent
-when every sequence is one token long, else chunk; on fla it takes "segmented" instead where the
-measured rule (`segmented.auto_segments`) says it is faster: no gradients, few sequences x heads,
-many tokens. It logs each choice once. fp32 stays on the torch
+when every sequence is one token long, else chunk; on fla it would take "segmented" where the
+measured rule (`segmented.auto_segments`) finds it faster (no gradients, few sequences x heads, many
+tokens; on an H100 no length was), and logs each choice once. fp32 stays on the torch
 paths on CUDA too: Triton's fp32 `tl.dot` rounds operands to TF32, so fla's kernels on fp32 inputs
 land 5e-4..3e-3 from the fp32 reference (on an H200; docs/LOG.md), while torch's fp32 matmuls are
 IEEE (torch leaves `allow_tf32` off). fp32 is the precision of references and checks; speed comes

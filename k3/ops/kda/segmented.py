@@ -34,16 +34,20 @@ from k3.ops.varlen import seq_lengths
 # run(q, k, v, g, beta, initial_state, cu_seqlens) -> (o, final_state): a chunked KDA backend
 SegmentKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-# The measured rule (bench/kda_segments.py, docs/BENCHMARKS.md): segment only where the ordinary
-# kernel's (sequence, head) rows leave the SMs idle and the sequences are long.
-MIN_TOKENS = 16384  # below this fla's kernel alone was faster
+# The measured rule (bench/kda_segments.py, docs/BENCHMARKS.md): on an H100 at B = 1, H = 12, d = 128
+# the segmented path was slower than fla's kernel alone at every length measured, 16K to 512K tokens
+# with 8 to 64 segments (0.28x to 0.49x): the recurrence is only 37% of fla's time there, its
+# parallel kernels the rest, and the augmented pass costs about what fla's whole op does
+# (docs/LOG.md). So "auto" keeps fla (no crossover: None) until a cheaper pass exists; the
+# segmented path runs where asked for (`impl="segmented"`).
+FASTER_FROM_TOKENS: int | None = None  # shortest length where it measured faster; None: none found
 MIN_SEGMENT = 2048  # shorter segments spend more on the pass's extra K columns than they save
 ROWS_PER_SM = 4  # enough (row x segment) programs per SM to hide the recurrence's latency
 
 
 def auto_segments(tokens: int, sequences: int, heads: int, device: torch.device) -> int:
     """Segments per sequence for the segmented path, from shapes alone (no device sync); 1 = don't."""
-    if device.type != "cuda" or tokens < MIN_TOKENS:
+    if device.type != "cuda" or FASTER_FROM_TOKENS is None or tokens < FASTER_FROM_TOKENS:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = ROWS_PER_SM * sms // max(1, sequences * heads)
