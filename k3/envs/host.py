@@ -1,5 +1,6 @@
 """What this host lets a sandbox use, probed once per process: the `bwrap` binary, unprivileged user
-namespaces with overlayfs inside them, and writable cgroup v1 controllers for whole-sandbox limits.
+namespaces with overlayfs inside them, writable cgroups for whole-sandbox limits (v1 controllers, else
+a v2 hierarchy: k3/envs/cgroup_v2.py) and a seccomp filter (k3/envs/syscall_filter.py).
 
 Every probe records why it failed (`HostSupport.notes`), so a weaker fallback is visible, never silent.
 """
@@ -13,10 +14,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3.envs.cgroup_v2 import delegate, own_cgroup
 from k3.envs.errors import SandboxError
+from k3.envs.syscall_filter import filter_program
 
-# The cgroup v1 controllers a sandbox's limits need: process count, memory (+ OOM count), CPU time.
+# The cgroup v1 controllers a sandbox's limits need: process count, memory (+ OOM count), CPU time
+# ("cpu", for the CPU bandwidth limit, is used when it is there too).
 CGROUP_CONTROLLERS = ("pids", "memory", "cpuacct")
+CGROUP_PREFIX = "k3-envs-"  # the store directories' prefix too (k3/envs/layers.py): one sweep for both
 # Host directories every sandbox sees read-only (the base image's programs and libraries).
 HOST_RO_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Single host files under /etc that programs need and that hold nothing about the host's users.
@@ -25,12 +30,18 @@ HOST_RO_ETC = ("ld.so.cache", "alternatives")
 
 @dataclass(frozen=True)
 class HostSupport:
-    """The probe's findings: `cgroup_dirs` maps each controller to this process's own cgroup
-    directory (sandbox cgroups nest under it, so the host's limits on us still hold), or is empty."""
+    """The probe's findings: `cgroup_dirs` maps each v1 controller (or "unified", on a v2 host) to
+    this process's own cgroup directory (sandbox cgroups nest under it, so the host's limits on us
+    still hold), or is empty."""
 
     bwrap: str
     cgroup_dirs: dict[str, Path] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    seccomp: bytes = b""  # the BPF program bwrap loads before the command (empty: none, a note says why)
+
+    @property
+    def cgroup_v2(self) -> bool:
+        return "unified" in self.cgroup_dirs
 
 
 def bwrap_path() -> str:
@@ -65,27 +76,52 @@ def _own_cgroup_v1(controller: str) -> Path | None:
 
 
 def _probe_cgroups() -> tuple[dict[str, Path], list[str]]:
-    """Each needed controller's own directory, kept only if a child cgroup can be made there."""
+    """Each needed controller's own directory, kept only if a child cgroup can be made there: v1
+    when its controllers are mounted (a v1 or hybrid host), else the v2 hierarchy ({"unified": D})."""
+    if _own_cgroup_v1(CGROUP_CONTROLLERS[0]) is None:
+        return _probe_cgroup_v2()
     dirs: dict[str, Path] = {}
-    for controller in CGROUP_CONTROLLERS:
+    for controller in (*CGROUP_CONTROLLERS, "cpu"):
         own = _own_cgroup_v1(controller)
-        if own is None:
-            return {}, [f"cgroup v1 controller {controller!r} is not mounted (cgroup v2 backend not implemented)"]
-        probe = own / f"k3-envs-probe-{os.getpid()}"
-        try:
-            probe.mkdir()
-            probe.rmdir()
-        except OSError as e:
-            return {}, [f"cannot create a cgroup under {own}: {e.strerror}"]
+        why = f"cgroup v1 controller {controller!r} is not mounted" if own is None else _can_nest(own)
+        if why and controller == "cpu":  # optional: only the `cpus` limit needs it
+            return dirs, [f"no CPU bandwidth limit: {why}"]
+        if why:
+            return {}, [why]
         dirs[controller] = own
     return dirs, []
+
+
+def _probe_cgroup_v2() -> tuple[dict[str, Path], list[str]]:
+    own = own_cgroup()
+    if own is None:
+        return {}, ["no cgroup hierarchy is mounted (neither v1 controllers nor cgroup2)"]
+    try:
+        parent, why = delegate(own, CGROUP_PREFIX)
+    except OSError as e:
+        return {}, [f"cgroup v2: cannot read {own}: {e.strerror}"]
+    why = why or (_can_nest(parent) if parent else "")
+    return ({}, [why]) if why else ({"unified": parent}, [])
+
+
+def _can_nest(own: Path) -> str:
+    """"" if a child cgroup can be made under `own`, else why not."""
+    probe = own / f"{CGROUP_PREFIX}probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        return f"cannot create a cgroup under {own}: {e.strerror}"
+    return ""
 
 
 @functools.cache
 def probe() -> HostSupport:
     """The host's support, once per process (cgroup writes need root; without them: RLIMITs only)."""
     cgroup_dirs, notes = _probe_cgroups() if os.geteuid() == 0 else ({}, ["not root: no cgroups"])
-    return HostSupport(bwrap=bwrap_path(), cgroup_dirs=cgroup_dirs, notes=tuple(notes))
+    program, why = filter_program()
+    return HostSupport(bwrap=bwrap_path(), cgroup_dirs=cgroup_dirs, notes=tuple(notes + ([why] if why else [])),
+                       seccomp=program)
 
 
 @functools.cache

@@ -32,11 +32,11 @@ import weakref
 from pathlib import Path
 
 from k3.envs.errors import SandboxError
-from k3.envs.host import drop_to, host_ro_args, merged_usr_args, probe
+from k3.envs.host import CGROUP_PREFIX, drop_to, host_ro_args, merged_usr_args, probe
 from k3.envs.limits import sweep_stale_cgroups
 
 MAX_DEPTH = 32  # layers above base before a squash; 32 paths of ~50 bytes fit lowerdir's page
-STORE_PREFIX = "k3-envs-"
+STORE_PREFIX = CGROUP_PREFIX
 SANDBOX_HOME = "/home/agent"
 _BASE_DIRS = ("home", "home/agent", "tmp", "etc", "usr", "proc", "dev", "root")
 _ETC_FILES = {

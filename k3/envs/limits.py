@@ -1,7 +1,8 @@
 """A sandbox's resource limits and how each is enforced.
 
 What holds for the sandbox as a whole (every process of one exec together), with writable cgroup v1
-controllers (root on a v1 or hybrid host; probed in k3/envs/host.py):
+controllers (root on a v1 or hybrid host; probed in k3/envs/host.py; a v2 host gets the same budgets
+from the v2 files, k3/envs/cgroup_v2.py):
   processes  pids.max of a pids group made for each exec; a fork past it fails (EAGAIN) and the exec
              is then killed, reason "pids"
   memory     memory.limit_in_bytes (+ memsw when swap is accounted); the kernel's OOM killer acts
@@ -11,7 +12,9 @@ controllers (root on a v1 or hybrid host; probed in k3/envs/host.py):
   disk       the writable layer's allocated blocks, polled every DISK_POLL_S, reason "disk"; RLIMIT_FSIZE
              caps every single file at once (the write fails with SIGXFSZ, reason "file_size"), so the
              overshoot is bounded by one poll interval of writes of at most file_size_bytes each
-Without cgroups (not root, or a host with cgroup v2 only, whose backend is not implemented) the
+  CPU share  cpu.cfs_quota_us (v2: cpu.max) of `cpus` cores, where the cpu controller is there: a busy
+             sandbox is throttled, not killed, so it cannot starve the host or the other sandboxes
+Without cgroups (not root, or a v2 host whose controllers cannot be delegated, see cgroup_v2.py) the
 fallback is RLIMITs only, each per process: RLIMIT_NPROC (per uid, so shared by every sandbox of the
 same uid; a fork past it fails, the exec is not killed), RLIMIT_AS for memory (allocations fail with
 ENOMEM inside the command; no "memory" reason), RLIMIT_CPU (SIGXCPU at the limit, SIGKILL a second
@@ -46,12 +49,14 @@ class Limits:
     output_bytes: int = 1 * MIB  # per stream; the rest is drained, dropped and marked
     open_files: int = 1024
     timeout_s: float = 30.0  # default wall-clock limit of exec()
+    cpus: float | None = 1.0  # CPU bandwidth, in cores (cgroup cpu quota), so one sandbox cannot take the host
 
     def __post_init__(self) -> None:
         for name in ("cpu_time_s", "memory_bytes", "processes", "file_size_bytes", "disk_bytes",
-                     "output_bytes", "open_files", "timeout_s"):
-            if getattr(self, name) <= 0:
-                raise SandboxError(f"Limits.{name} must be positive, got {getattr(self, name)}")
+                     "output_bytes", "open_files", "timeout_s", "cpus"):
+            value = getattr(self, name)
+            if value is not None and value <= 0 if name == "cpus" else value <= 0:
+                raise SandboxError(f"Limits.{name} must be positive, got {value}")
 
     def rlimits(self, with_cgroup: bool) -> list[tuple[int, int, int]]:
         """(resource, soft, hard) set on bwrap and inherited by every sandboxed process."""
@@ -105,6 +110,9 @@ class SandboxCgroup:
             _write(memory / "memory.limit_in_bytes", str(limits.memory_bytes))
             if (memory / "memory.memsw.limit_in_bytes").exists():  # no swapping past the limit
                 _write(memory / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
+            if "cpu" in self.dirs and limits.cpus is not None:
+                _write(self.dirs["cpu"] / "cpu.cfs_period_us", "100000")
+                _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(int(limits.cpus * 100_000)))
         except OSError as e:
             for d in made:
                 _rmdir(d)
@@ -119,8 +127,7 @@ class SandboxCgroup:
             _write(self._exec / "pids.max", str(self.limits.processes))
         except OSError as e:
             raise SandboxError(f"cannot make the exec's pids cgroup {self._exec}: {e}") from e
-        return [str(self._exec / "cgroup.procs"), str(self.dirs["memory"] / "cgroup.procs"),
-                str(self.dirs["cpuacct"] / "cgroup.procs")]
+        return [str(self._exec / "cgroup.procs")] + [str(d / "cgroup.procs") for c, d in self.dirs.items() if c != "pids"]
 
     def counters(self) -> tuple[int, int, int]:
         """(CPU nanoseconds, pid-limit hits of the current exec, OOM kills) so far."""
@@ -128,11 +135,15 @@ class SandboxCgroup:
         return (int(_read(self.dirs["cpuacct"] / "cpuacct.usage")), hits,
                 _event(_read(self.dirs["memory"] / "memory.oom_control"), "oom_kill"))
 
+    def procs(self) -> list[int]:
+        """Every process in the sandbox."""
+        return [int(p) for p in _read(self.dirs["memory"] / "cgroup.procs").split()]
+
     def kill_all(self) -> None:
         """SIGKILL every process left in the sandbox, until none is (a fork between reads is caught
         by the next round; pids.max bounds how many there can be)."""
         for _ in range(100):
-            pids = [int(p) for p in _read(self.dirs["memory"] / "cgroup.procs").split()]
+            pids = self.procs()
             if not pids:
                 return
             for pid in pids:

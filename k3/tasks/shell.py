@@ -21,11 +21,19 @@ was): every file the job names must hold what it should (compared without traili
 every file it removes must be gone, and every other initial file must be unchanged; the last turn
 must call no tool (the model says it is done).
 
+Sandboxes come from one warm `SandboxPool` per process (k3/envs/pool.py: one base image, directories
+and cgroups made up front; a closed episode's sandbox goes back to it, wiped); `configure(size,
+**limits)` sets its size and limits (`k3 rl --sandboxes N --sandbox-memory-mb M`).
+
 Episodes through the domain interface (`continue_with_tool_results`, `Task.verify`) keep their
-sandbox between turns in a registry keyed by the task and the calls made so far: the next turn
-continues in the same sandbox, `verify` judges and closes it. A turn whose sandbox is not in the
-registry (a resumed run) replays the episode's earlier calls in a fresh one. `release(task_ids)`
-closes the sandboxes of episodes that never reached `verify` (run_episodes does, also on errors).
+sandbox between turns in a registry keyed by the task and the calls made so far, **paused** while
+the episode waits for the model's next turn (partial rollout may leave it waiting for a whole
+iteration): a paused sandbox holds no process and no cgroup, only its files. The next turn resumes
+the same sandbox, so it continues from exactly the state the last calls left; `verify` judges and
+closes it. A turn whose sandbox is not in the registry (a run resumed after a kill) replays the
+episode's earlier calls in a fresh one, which gives the same state (the tasks' commands are
+deterministic). `release(task_ids)` closes the sandboxes of episodes that never reached `verify`
+(run_episodes does, also on errors); `release()` closes them all and the pool too (the end of a run).
 """
 from __future__ import annotations
 
@@ -179,14 +187,54 @@ def checked_arguments(name, arguments) -> dict | str:
     return arguments
 
 
+_pool_lock = threading.Lock()
+_pool = None  # the process's SandboxPool, made at the first episode
+_pool_config: dict = {"size": 8, "limits": None}
+
+
+def configure(size: int = 8, **limits) -> None:
+    """The pool's size and k3.envs.Limits fields (the rest their defaults) for the episodes from now on."""
+    from k3.envs import Limits, SandboxError
+    if size < 1:
+        raise ValueError(f"the sandbox pool needs at least 1 sandbox, got {size}")
+    try:
+        limits = Limits(**limits) if limits else None
+    except SandboxError as e:
+        raise ValueError(str(e)) from None
+    global _pool
+    with _pool_lock:
+        old, _pool = (_pool, None) if {"size": size, "limits": limits} != _pool_config else (None, _pool)
+        _pool_config.update(size=size, limits=limits)
+    if old is not None:
+        old.close()  # sandboxes still out are closed for good when their episodes end
+
+
+def _acquire():
+    """A warm sandbox from the pool (made on first use), on the bare base image."""
+    from k3.envs import SandboxPool
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = SandboxPool(_pool_config["size"], _pool_config["limits"])
+        return _pool.acquire()
+
+
+def close_pool() -> None:
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.close()
+
+
 class ShellEpisode:
     """One episode's sandbox, made from a task's initial tree: runs the tool calls, judges a fork."""
 
     def __init__(self, task):
-        from k3.envs import Sandbox, SandboxError
+        from k3.envs import SandboxError
         self.task, self.sandbox = task, None
         try:
-            self.sandbox = Sandbox()
+            self.sandbox = _acquire()
         except SandboxError as e:
             raise ShellUnavailable(f"shell domain: no sandbox on this host: {e}".splitlines()[0]) from None
         try:
@@ -293,11 +341,18 @@ def calls_key(task, calls) -> tuple[str, str]:
 
 
 def take_episode(task, calls_so_far) -> ShellEpisode:
-    """The live episode whose sandbox has run exactly `calls_so_far`, or a fresh one replaying them."""
+    """The live episode whose sandbox has run exactly `calls_so_far` (resumed), or a fresh one
+    replaying them."""
     with _lock:
         waiting = _live.get(calls_key(task, calls_so_far))
-        if waiting:
-            return waiting.pop()
+        ep = waiting.pop() if waiting else None
+    if ep is not None:
+        try:
+            ep.sandbox.resume()
+        except BaseException:
+            ep.close()
+            raise
+        return ep
     ep = ShellEpisode(task)
     try:
         ep.run_calls(calls_so_far)
@@ -308,6 +363,12 @@ def take_episode(task, calls_so_far) -> ShellEpisode:
 
 
 def keep_episode(ep: ShellEpisode, calls_so_far) -> None:
+    """Keep the episode's sandbox, paused, until its next turn (or verify) takes it."""
+    try:
+        ep.sandbox.pause()
+    except BaseException:
+        ep.close()
+        raise
     with _lock:
         _live[calls_key(ep.task, calls_so_far)].append(ep)
 
@@ -322,13 +383,23 @@ def drop_episode(task, calls_so_far) -> None:
 
 
 def release(task_ids=None) -> int:
-    """Close the kept sandboxes of these tasks' episodes (None: all); how many were closed."""
+    """Close the kept sandboxes of these tasks' episodes (None: all, and the pool); how many were closed."""
     with _lock:
         keys = [k for k in _live if task_ids is None or k[0] in task_ids]
         eps = [ep for k in keys for ep in _live.pop(k)]
-    for ep in eps:
-        ep.close()
+    try:
+        for ep in eps:
+            ep.close()
+    finally:
+        if task_ids is None:
+            close_pool()
     return len(eps)
+
+
+def paused_count() -> int:
+    """How many kept episodes wait with their sandbox paused (all of them, between turns)."""
+    with _lock:
+        return sum(ep.sandbox.paused for v in _live.values() for ep in v)
 
 
 def live_count() -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,6 +34,7 @@ def own_tmp(sandbox_support, monkeypatch) -> Path:
     try:
         yield root
         assert shell.live_count() == 0
+        shell.close_pool()  # the warm pool's sandboxes are the pool's, not leaks
         assert not list(root.glob("k3-envs-*")), "a sandbox was left behind"
     finally:
         shell.release()
@@ -165,7 +167,8 @@ def test_no_sandbox_on_the_host_is_a_one_line_error(monkeypatch):
     def refuse(*a, **k):
         raise SandboxError("bwrap: setting up uid map: Permission denied\nmore detail")
 
-    monkeypatch.setattr(k3.envs, "Sandbox", refuse)
+    shell.close_pool()
+    monkeypatch.setattr(k3.envs, "SandboxPool", refuse)
     task = make_domain("shell", 0).task("train", 0)
     with pytest.raises(shell.ShellUnavailable) as e:
         continue_with_tool_results(task, _reply(calls=[_call("bash", {"command": "true"})]), None)
@@ -210,3 +213,35 @@ def test_the_rl_trainer_plays_a_shell_episode_in_its_sandbox(own_tmp, init_run, 
         assert record["accuracy"] == 1.0 and shell.live_count() == 0
     finally:
         trainer.close()
+
+
+def test_an_episode_waiting_for_the_model_keeps_its_sandbox_paused_then_resumes_it(own_tmp):
+    """Between turns (for partial rollout, across iterations) the episode's sandbox is paused: no
+    process, no cgroup; the next turn resumes the same sandbox, in the state the last calls left."""
+    task = make_domain("shell", 0).task("train", 0)
+    first = _reply(calls=[_call("bash", {"command": "echo 1 > step; sleep 30 &"})])
+    history = continue_with_tool_results(task, first, None)
+    (ep,) = [e for eps in shell._live.values() for e in eps]
+    assert ep.sandbox.paused and ep.sandbox._cgroup is None and shell.paused_count() == 1
+    before = ep.sandbox.name
+    history = continue_with_tool_results(task, _reply(calls=[_call("bash", {"command": "cat step"})]), history)
+    (again,) = [e for eps in shell._live.values() for e in eps]
+    assert again is ep and ep.sandbox.name == before and history[-1]["content"] == "1"
+    shell.release({task.id})
+
+
+def test_bad_commands_and_paths_give_the_model_a_clear_result(own_tmp, monkeypatch):
+    monkeypatch.setattr(shell, "EXEC_TIMEOUT_S", 0.5)
+    task = make_domain("shell", 0).task("train", 0)
+    with shell.ShellEpisode(task) as ep:
+        assert ep.call("bash", {"command": "echo started; sleep 1000"}) == \
+               "started\nerror: the command was stopped (timeout)"
+        assert ep.call("bash", {"command": "printf 'a\\377\\000b'"}) == "a\ufffd\x00b"  # binary: replaced, not raised
+        huge = ep.call("bash", {"command": "yes | head -c 200000"})
+        assert len(huge) < shell.RESULT_CHARS + 100 and "[output cut:" in huge
+        assert "agent:x:" in ep.call("read_file", {"path": "../../../../etc/passwd"})  # the sandbox's own /etc
+        ep.call("bash", {"command": "ln -s /work/main/pyproject.toml out"})
+        assert ep.call("read_file", {"path": "out"}).startswith("error: read_file 'out': ")
+        escape = f"../../../tmp/k3-shell-escape-{os.getpid()}"
+        assert ep.call("write_file", {"path": escape, "content": "x"}) == f"wrote 1 bytes to {escape}"
+        assert not Path(f"/tmp/k3-shell-escape-{os.getpid()}").exists()  # written in the sandbox's own /tmp
