@@ -13,8 +13,8 @@ import argparse
 
 import openai
 
-from k3.sft.agent_eval import prompt_messages
 from k3.tasks import default_set
+from k3.tasks.episodes import prompt_messages
 from k3.tasks.tools import call_tool
 
 

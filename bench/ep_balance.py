@@ -93,7 +93,7 @@ def table(S: int, batches: int) -> None:
 @torch.no_grad()
 def record(run: str, out: str, batches: int, tokens: int) -> None:
     """Per-layer expert loads of `batches` micro-batches of `tokens` training tokens each."""
-    from k3.checkpoint.pretrained import K3ForCausalLM
+    from k3 import K3ForCausalLM
     from k3.data.corpus import load_documents
     from k3.model.moe import MoEGate
     from k3.text.tokenizer import load_tokenizer

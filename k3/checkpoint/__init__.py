@@ -3,7 +3,7 @@
 - files.py: an HF-layout folder's files (config.json, safetensors shards, the index) read safely.
 - official.py: the official tensor names (one prefix, experts split per file) and `save_pretrained`.
 - pretrained.py: `load_pretrained`, the one loader (plain, official, MXFP4-packed, Kimi-Linear
-  folders), and `K3ForCausalLM` with it and the writer as `from_pretrained` / `save_pretrained`.
+  folders), registered with the writer as `K3ForCausalLM.from_pretrained` / `save_pretrained`.
   Imports run one way: files <- official <- packed <- pretrained.
 - packed.py: the official compressed-tensors `mxfp4-pack-quantized` layout of the routed experts.
 - run_folder.py: a `k3 train` run folder and its `checkpoints/step_*` folders.

@@ -8,6 +8,8 @@ config.json is the `kimi_k3` one: `architectures` KimiK3ForConditionalGeneration
 as the text writer writes it, `vision_config` as VisionConfig writes it. The writer and the reader
 are official.py's (atomic files, index last; safetensors only, MXFP4-packed experts dequantized).
 The text loader, `load_pretrained`, reads the same folder as a K3ForCausalLM (it skips vision).
+Importing this module gives `K3ForConditionalGeneration` its `from_pretrained` / `save_pretrained`
+(`from k3 import K3ForConditionalGeneration` does).
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ from safetensors import safe_open
 from k3.checkpoint.files import DEFAULT_SHARD_BYTES, INDEX_NAME, CheckpointMismatchError
 from k3.checkpoint.official import official_to_state_dict, save_pretrained, state_dict_to_official
 from k3.checkpoint.packed import pack_tensors, with_quantization_config
-from k3.checkpoint.pretrained import assign_checkpoint, read_checkpoint
+from k3.checkpoint.pretrained import as_dtype, assign_checkpoint, read_checkpoint
+from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
 from k3.model.precision import fp32_tensor_names
+from k3.model.pretrained import register_format
 from k3.model.vision.patch_embed import DividedFixedPosEmb, sincos_table
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -107,3 +111,14 @@ def load_pretrained_multimodal(directory: str | Path, *, device=None, dtype: tor
     if left:  # a new non-persistent buffer the line above does not compute yet
         raise RuntimeError(f"tensors left unmaterialized after loading {directory}: {left[:8]}")
     return model
+
+
+def from_pretrained_multimodal(cls, path: str | Path, *, dtype: torch.dtype | str | None = None,
+                               device: torch.device | str | None = None) -> K3ForConditionalGeneration:
+    """`K3ForConditionalGeneration.from_pretrained`: a checkpoint or run folder's multimodal model, in eval mode."""
+    folder = resolve_checkpoint(path)
+    device = None if device is None else torch.device(device)
+    return load_pretrained_multimodal(folder, dtype=as_dtype(dtype), device=device).eval()
+
+
+register_format(K3ForConditionalGeneration, from_pretrained_multimodal, save_pretrained_multimodal)

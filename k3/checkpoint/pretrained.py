@@ -1,11 +1,11 @@
 """The transformers-style face of the checkpoint formats: `K3ForCausalLM.from_pretrained(path)` and
-`model.save_pretrained(path)`, exported as `k3.K3ForCausalLM`.
+`model.save_pretrained(path)` on the model's own class (k3/model/pretrained.py), exported as
+`k3.K3ForCausalLM`.
 
-The class is the model of k3/model/transformer.py plus these two methods. They live here, not on
-the model, because model code does no file I/O and never imports checkpoint formats
-(tests/test_layout.py). This module is also the loader every verb uses (`load_pretrained`: which
-layout a folder holds, and the model filled from it), and `save_pretrained` is official.py's
-writer, so there is one loader and one writer whichever way they are called.
+Model code does no file I/O and never imports checkpoint formats (tests/test_layout.py), so this
+module registers its reader and official.py's writer with the model class when imported. It is
+also the loader every verb uses (`load_pretrained`: which layout a folder holds, and the model
+filled from it), so there is one loader and one writer whichever way they are called.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from k3.checkpoint.files import (
-    DEFAULT_SHARD_BYTES,
     CheckpointError,
     CheckpointMismatchError,
     read_json,
@@ -24,13 +23,14 @@ from k3.checkpoint.official import official_to_state_dict, save_pretrained
 from k3.checkpoint.packed import is_packed_checkpoint, read_packed
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.config import ConfigError, K3Config
-from k3.model import transformer
 from k3.model.precision import fp32_tensor_names
+from k3.model.pretrained import register_format
+from k3.model.transformer import K3ForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":  # transformers' spelling of "as stored"
@@ -40,24 +40,16 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-class K3ForCausalLM(transformer.K3ForCausalLM):
-    """The K3 text model with transformers' loading and saving methods."""
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | str | None = None,
-                        device: torch.device | str | None = None) -> K3ForCausalLM:
-        """The model of an HF-layout folder (or of a `k3 train` run folder: its latest checkpoint),
-        in eval mode. Reads every layout `load_pretrained` reads: ours, the official K3 one
-        (`language_model.` prefix, sharded with an index, vision tensors skipped), MXFP4-packed
-        experts, and Kimi-Linear written by transformers in either config dialect. `dtype`: None or
-        "auto" keeps the stored dtype (fp32-by-design tensors stay fp32 whatever it asks)."""
-        folder = resolve_checkpoint(path)
-        device = None if device is None else torch.device(device)
-        return load_pretrained(folder, dtype=_dtype(dtype), device=device, model_class=cls).eval()
-
-    def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-        """config.json, safetensors shards and their index, in the official layout and names."""
-        return save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None):
+    """`cls.from_pretrained`: the model of an HF-layout folder (or of a `k3 train` run folder: its
+    latest checkpoint), in eval mode. Reads every layout `load_pretrained` reads: ours, the official
+    K3 one (`language_model.` prefix, sharded with an index, vision tensors skipped), MXFP4-packed
+    experts, and Kimi-Linear written by transformers in either config dialect. `dtype`: None or
+    "auto" keeps the stored dtype (fp32-by-design tensors stay fp32 whatever it asks)."""
+    folder = resolve_checkpoint(path)
+    device = None if device is None else torch.device(device)
+    return load_pretrained(folder, dtype=as_dtype(dtype), device=device, model_class=cls).eval()
 
 
 def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | None = None,
@@ -66,8 +58,8 @@ def load_pretrained(directory: str | Path, *, device=None, dtype: torch.dtype | 
     MXFP4 `mxfp4-pack-quantized` routed experts, dequantized at load by k3/quant), or one written by
     transformers' KimiLinearForCausalLM. Every parameter must be present: missing or unexpected
     tensors are an error naming them. fp32-by-design tensors stay fp32 whatever `dtype` asks.
-    `model_class` (default `k3.K3ForCausalLM`, below) is the class built;
-    `K3ForCausalLM.from_pretrained` is this function."""
+    `model_class` (default `k3.K3ForCausalLM`) is the class built; `K3ForCausalLM.from_pretrained`
+    is this function."""
     model_class = model_class or K3ForCausalLM
     config, tensors = read_checkpoint(directory, dtype=dtype, config=config)
     tensors = official_to_state_dict(config, tensors)
@@ -120,3 +112,6 @@ def assign_checkpoint(model, tensors: dict[str, torch.Tensor], directory: str | 
         target = torch.float32 if name in fp32 else (t.dtype if dtype is None else dtype)
         state[name] = t.to(device=device, dtype=target)
     model.load_state_dict(state, assign=True, strict=True)
+
+
+register_format(K3ForCausalLM, from_pretrained, save_pretrained)

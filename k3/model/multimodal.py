@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from k3.config import ConfigError, K3Config
+from k3.model.pretrained import Pretrained
 from k3.model.transformer import K3ForCausalLM
 from k3.model.vision.config import VisionConfig
 from k3.model.vision.projector import PatchMergerMLPV2
@@ -97,8 +98,9 @@ def vision_config_of(text_config: K3Config) -> VisionConfig | None:
     return VisionConfig.from_dict(d["vision_config"]) if isinstance(d.get("vision_config"), dict) else None
 
 
-class K3ForConditionalGeneration(nn.Module):
-    """vision_tower (MoonViT) + mm_projector (patchmergerv2) + language_model (K3ForCausalLM)."""
+class K3ForConditionalGeneration(Pretrained, nn.Module):
+    """vision_tower (MoonViT) + mm_projector (patchmergerv2) + language_model (K3ForCausalLM);
+    `from_pretrained` / `save_pretrained` on the official three-prefix layout (k3/checkpoint/multimodal.py)."""
 
     def __init__(self, config: K3MultimodalConfig):
         super().__init__()

@@ -20,6 +20,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import StableLatentMoE
 from k3.model.norm import RMSNorm
+from k3.model.pretrained import Pretrained
 from k3.model.situ import DenseMLP
 
 
@@ -103,7 +104,9 @@ class K3Model(nn.Module):
         return self.norm(h)
 
 
-class K3ForCausalLM(nn.Module):
+class K3ForCausalLM(Pretrained, nn.Module):
+    """The K3 text model and its LM head; `from_pretrained` / `save_pretrained` as k3/checkpoint reads and writes."""
+
     def __init__(self, config: K3Config):
         super().__init__()
         self.config = config

@@ -30,12 +30,13 @@ import torch
 from k3.checkpoint.files import CheckpointError
 from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import pin
-from k3.rl.effort import EFFORTS, Budget, load_budgets
-from k3.rl.episodes import run_episodes, summarize, train_rows
+from k3.rl.effort import EFFORTS, Budget, episode_length, load_budgets, summarize
+from k3.rl.episode_rows import train_rows
 from k3.rl.objective import ObjectiveConfig, pack_trajectories, token_logprobs
 from k3.rl.rollout import Prompt, Trajectory
 from k3.rl.trainer import BUDGETS_FILE, HELDOUT_FILE, RLTrainer, RolloutSettings, check, validate_rollout
 from k3.tasks.domains import Task, make_domain
+from k3.tasks.episodes import run_episodes
 from k3.text.tokenizer import load_tokenizer
 from k3.train.errors import TrainError
 from k3.train.packing import windows_for_step
@@ -196,7 +197,8 @@ class DistillTrainer(RLTrainer):
         """Each teacher's held-out prompts at its effort, answered greedily by the student."""
         experts, episodes = {}, []
         for teacher in self.teachers:
-            eps = run_episodes(self.model, self.chat, teacher.heldout, teacher.effort, self.s.max_tokens)
+            eps = run_episodes(self.model, self.chat, teacher.heldout, teacher.effort, self.s.max_tokens,
+                               measure=episode_length(self.chat))
             experts[teacher.name] = summarize(eps, teacher.budgets, teacher.tau)
             episodes += eps
         self.last_episodes = episodes
@@ -215,7 +217,8 @@ class DistillTrainer(RLTrainer):
         with (self.run_dir / HELDOUT_FILE).open("w") as f:
             for e in self.last_episodes:
                 if e.task.id in by_task:
-                    f.write(json.dumps(e.record(self.tokenizer, *tau[e.task.id])) + "\n")
+                    budget, t = tau[e.task.id]
+                    f.write(json.dumps({**e.record(self.tokenizer), "budget": t * budget.b0}) + "\n")
 
     def write_outputs(self, records: list[dict], checkpoint: Path | None) -> None:
         from k3.rl.report import plot_rl, write_distill_report

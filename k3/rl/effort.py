@@ -32,7 +32,7 @@ import json
 import math
 import numbers
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,6 +125,11 @@ def length_of(generated: Sequence[int] | Sequence[Sequence[int]], domain: str, x
     return sum(think_tokens(t, xtml, opened) for t in turns)
 
 
+def episode_length(xtml) -> Callable:
+    """T(y) of an episode's turns, as `run_episodes(measure=...)` takes it (k3/tasks/episodes.py)."""
+    return lambda task, turns: length_of(turns, task.domain, xtml)
+
+
 # ---- budgets and the shaped reward
 
 @dataclass(frozen=True)
@@ -205,6 +210,17 @@ def cold_start_budgets(samples: Mapping[str, Sequence[tuple[bool, int]]], domain
 def within_budget(length: int, b0: float, tau: float) -> bool:
     _check_reward_inputs(length, b0, tau)
     return length <= tau * b0
+
+
+def summarize(episodes: Sequence, budgets: Mapping[str, Budget], tau: float) -> dict:
+    """Accuracy, mean T(y), the share within tau * b0 and mean generated tokens of a set of episodes
+    (k3.tasks.episodes.Episode, measured by `episode_length`)."""
+    n = max(len(episodes), 1)
+    return {"accuracy": sum(e.score.correct for e in episodes) / n,
+            "mean_length": sum(e.length for e in episodes) / n,
+            "within_budget": sum(within_budget(e.length, budgets[e.task.id].b0, tau) for e in episodes) / n,
+            "generated": sum(sum(len(t) for t in e.turns) for e in episodes) / n,
+            "episodes": len(episodes)}
 
 
 def shaped_reward(correct: bool | float, length: int, b0: float, tau: float) -> float:

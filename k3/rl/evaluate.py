@@ -27,9 +27,10 @@ from k3.threads import ThreadsError, configure
 
 def evaluate(model, xtml, tasks, effort: str, max_tokens: int) -> dict:
     """Greedy episodes of `tasks` at `effort`: accuracy, mean T(y), and [correct, count] per kind."""
-    from k3.rl.episodes import run_episodes
+    from k3.rl.effort import episode_length
+    from k3.tasks.episodes import run_episodes
 
-    episodes = run_episodes(model, xtml, tasks, effort, max_tokens)
+    episodes = run_episodes(model, xtml, tasks, effort, max_tokens, measure=episode_length(xtml))
     kinds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for e in episodes:
         kinds[e.task.kind][0] += int(e.score.correct)

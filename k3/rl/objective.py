@@ -178,7 +178,7 @@ def trained_tokens(trajectory) -> int:
 def pack_trajectories(trajectories: Sequence, advantages: Sequence[float] | torch.Tensor) -> RLBatch:
     """One packed row from trajectories (anything with prompt_ids, completion_ids, logprobs,
     versions, and optionally a completion_mask of the tokens it trains: k3.rl.rollout.Trajectory,
-    k3.rl.episodes.EpisodeRow), each with its advantage."""
+    k3.rl.episode_rows.EpisodeRow), each with its advantage."""
     adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
     if adv.numel() != len(trajectories):
         raise ValueError(f"{len(trajectories)} trajectories but {adv.numel()} advantages")

@@ -51,14 +51,16 @@ from k3.rl.effort import (
     EFFORTS,
     Budget,
     cold_start_budgets,
+    episode_length,
     length_of,
     load_budgets,
     reference_length,
     sampled_figures,
     save_budgets,
     shaped_reward,
+    summarize,
 )
-from k3.rl.episodes import next_turn, run_episodes, summarize, train_rows
+from k3.rl.episode_rows import train_rows
 from k3.rl.objective import (
     ObjectiveConfig,
     group_advantages,
@@ -72,6 +74,7 @@ from k3.sampling import MAX_TEMPERATURE
 from k3.serve.engine import EngineConfig
 from k3.tasks import shell
 from k3.tasks.domains import DOMAIN_CLASSES, Task, make_domain, needs_another_turn
+from k3.tasks.episodes import next_turn, run_episodes
 from k3.train.chat_start import load_chat_start
 from k3.train.errors import TrainError
 from k3.train.muon import OPTIMIZERS
@@ -146,6 +149,8 @@ class RLSettings(RolloutSettings):
     kl_coef: float = 0.0  # weight of the per-token k3 KL to the init model
     normalize_std: bool = False  # divide advantages by the group's reward std
     filter_groups: bool = False  # train only episodes with a nonzero advantage (DAPO's group filter)
+    sandboxes: int = 8  # shell: warm sandboxes in the pool (k3/tasks/shell.py)
+    sandbox_memory_mb: int = 512  # shell: each sandbox's memory budget, all its processes together
 
     @property
     def tau_value(self) -> float:
@@ -187,6 +192,8 @@ def _validate(s: RLSettings, world_size: int) -> None:
     check(s.tau is None or s.tau > 0, f"tau must be > 0, got {s.tau}")
     check(s.samples >= 2, f"samples per prompt must be >= 2 (the group is the baseline), got {s.samples}")
     check(s.budget_samples >= 1, f"budget samples must be >= 1, got {s.budget_samples}")
+    check(s.sandboxes >= 1 and s.sandbox_memory_mb >= 16,
+          f"sandboxes must be >= 1 and sandbox memory >= 16 MB, got {s.sandboxes} and {s.sandbox_memory_mb}")
     try:
         make_domain(s.domain, s.seed, **s.domain_options)
     except (ValueError, TypeError) as e:
@@ -233,6 +240,8 @@ class RLTrainer(Trainer):
         _validate(settings, self.world.size)
         model = self._load_chat_model(settings, resume, "RL")
         self.domain = make_domain(settings.domain, settings.seed, **settings.domain_options)
+        if settings.domain == "shell":
+            shell.configure(settings.sandboxes, memory_bytes=settings.sandbox_memory_mb << 20)
         self.pool: list[Task] = self.domain.tasks("train", settings.pool)
         self.heldout_tasks: list[Task] = self.domain.heldout(settings.heldout)
         self.objective = ObjectiveConfig(settings.eps_low, settings.eps_high, settings.kl_coef)
@@ -402,7 +411,7 @@ class RLTrainer(Trainer):
 
     def _continuation(self, t: Trajectory, episode: str, task: Task, reply) -> Trajectory:
         """The next turn of a tool episode, as a fresh trajectory whose prompt is this turn's prompt
-        and reply as sampled, then the tool results (token in / token out, k3/rl/episodes.py)."""
+        and reply as sampled, then the tool results (token in / token out, k3/tasks/episodes.py)."""
         nxt = next_turn(self.chat, task, self.task_of(t.tag)[1], t.tag.get("messages"), reply, t.prompt_ids,
                         t.completion_ids, t.boundaries)
         turn = t.tag["turn"] + 1
@@ -543,7 +552,13 @@ class RLTrainer(Trainer):
                 elif k != "tokens":
                     metrics[k] = metrics.get(k, 0.0) + v * w
             metrics["staleness"] = metrics.get("staleness", 0.0) + stale / max(total, 1)
-        grad_norm, lr, _ = self.optimizer_step()
+        rule = self.balance_rule
+        if not trained:  # partial rollout finished no episode (multi-turn ones span iterations): nothing was routed
+            self.balance_rule = None
+        try:
+            grad_norm, lr, _ = self.optimizer_step()
+        finally:
+            self.balance_rule = rule
         self.rollouts.policy_version = self.step
         self.tokens_seen += total
         return {"loss": metrics.pop("loss", 0.0), "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens_seen,
@@ -569,7 +584,8 @@ class RLTrainer(Trainer):
     def evaluate(self, max_windows: int | None = None) -> dict:
         """Greedy held-out episodes: accuracy, mean T(y), share within tau * b0(x)."""
         s = self.s
-        episodes = run_episodes(self.model, self.chat, self.heldout_tasks, s.effort, s.max_tokens)
+        episodes = run_episodes(self.model, self.chat, self.heldout_tasks, s.effort, s.max_tokens,
+                                measure=episode_length(self.chat))
         self.last_episodes = episodes
         self.model.train()
         return {"kind": "heldout", "step": self.step, **summarize(episodes, self.budgets, s.tau_value)}
@@ -601,7 +617,7 @@ class RLTrainer(Trainer):
         tau = self.s.tau_value
         with (self.run_dir / HELDOUT_FILE).open("w") as f:
             for e in self.last_episodes:
-                f.write(json.dumps(e.record(self.tokenizer, self.budgets[e.task.id], tau)) + "\n")
+                f.write(json.dumps({**e.record(self.tokenizer), "budget": tau * self.budgets[e.task.id].b0}) + "\n")
 
     def write_outputs(self, records: list[dict], checkpoint: Path | None) -> None:
         from k3.rl.report import plot_rl, write_rl_report

@@ -7,7 +7,8 @@ batch (k3/sft/batches.py), so system, user, tool-declaration and tool-result tok
 Everything else is `k3 train`'s: Per-Head Muon + AdamW, warmup-cosine, the expert-balance rule,
 optional MXFP4/MXFP8 QAT (DESIGN §13.4: QAT is on from SFT on in K3), FSDP2 under torchrun, atomic
 checkpoints with exact resume, metrics.jsonl, loss.png and report.md. At the end, held-out agent
-episodes are run and scored (k3/sft/agent_eval.py) when the held-out set carries expected answers.
+episodes are run (k3/tasks/episodes.py) and scored (k3/tasks/scoring.py) when the held-out set carries
+expected answers.
 The checkpoint's tokenizer_config.json gets a `chat_template`, which marks the model chat-tuned for
 `k3 serve` and `k3 chat`.
 """
@@ -28,10 +29,11 @@ from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import latest_checkpoint, resolve_checkpoint
 from k3.config import K3Config
 from k3.model.transformer import K3ForCausalLM
-from k3.sft.agent_eval import run_episodes
 from k3.sft.batches import example, pack_examples, rows_of
 from k3.tasks import default_set
 from k3.tasks.conversations import SFTDataError, check_length, read_conversations
+from k3.tasks.episodes import run_episodes
+from k3.tasks.scoring import ConversationTask, summarize_episodes
 from k3.train.chat_start import load_chat_start
 from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, plot_losses, write_report
@@ -153,7 +155,7 @@ class SFTTrainer(Trainer):
             raise SFTDataError(f"{s.data}: too few conversations to hold some out "
                                f"(train {len(train_examples)}, held-out {len(val_examples)})")
         self.train_examples, self.val_examples = train_examples, val_examples
-        self.held_conversations = [c for c in held if c.expected is not None][:s.agent_episodes]
+        self.held_tasks = [ConversationTask(c) for c in held if c.expected is not None][:s.agent_episodes]
 
     # ------------------------------------------------------------------ one step
     def step_items(self) -> tuple[list[int], int]:
@@ -203,29 +205,20 @@ class SFTTrainer(Trainer):
     @torch.no_grad()
     def samples(self, temperature: float = 0.0, top_p: float = 1.0) -> list[dict]:
         """Greedy replies to the first two held-out prompts, shown with their XTML markers."""
-        from k3.sft.agent_eval import prompt_messages, replies
-
-        held = self.held_conversations[:2]
-        if not held:
-            return []
-        asked = [(prompt_messages(c.messages), c.tools) for c in held]
-        # eval mode: a training-mode forward records router scores, which the next step's
-        # Quantile Balancing update would count (and a resumed run would not have seen)
-        self.model.eval()
-        try:
-            _, outs = replies(self.model, self.chat, asked, self.s.max_reply_tokens)
-        finally:
-            self.model.train()
-        return [{"kind": "sample", "step": self.step, "prompt": m[-1].get("content") or "",
-                 "text": "\n" + self.tokenizer.decode(o, skip_special_tokens=False)} for (m, _), o in zip(asked, outs)]
+        # run_episodes generates in eval mode: a training-mode forward records router scores, which the
+        # next step's Quantile Balancing update would count (and a resumed run would not have seen)
+        episodes = run_episodes(self.model, self.chat, self.held_tasks[:2], None, self.s.max_reply_tokens, max_turns=1)
+        return [{"kind": "sample", "step": self.step, "prompt": e.task.messages[-1].get("content") or "",
+                 "text": "\n" + self.tokenizer.decode(e.turns[0], skip_special_tokens=False)} for e in episodes]
 
     # ------------------------------------------------------------------ outputs
     def train(self) -> dict:
         result = super().train()
-        if self.held_conversations and self.world.is_main:
+        if self.held_tasks and self.world.is_main:
             t0 = time.perf_counter()
-            self.log(f"scoring {len(self.held_conversations)} held-out agent episodes ...")
-            summary, episodes = run_episodes(self.model, self.chat, self.held_conversations, self.s.max_reply_tokens)
+            self.log(f"scoring {len(self.held_tasks)} held-out agent episodes ...")
+            played = run_episodes(self.model, self.chat, self.held_tasks, None, self.s.max_reply_tokens)
+            summary, episodes = summarize_episodes(played, self.tokenizer)
             self.elapsed += time.perf_counter() - t0
             record = {"kind": "agent", "step": self.step, "episodes": len(episodes), **summary}
             self.metrics.write(record)

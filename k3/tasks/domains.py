@@ -113,6 +113,10 @@ class Task:
         """Score an episode: its replies in turn order (or one reply for a one-turn episode)."""
         return DOMAINS[self.domain].verify(self, _as_list(replies))
 
+    def tool_results(self, history: list[dict], calls: list[dict]) -> list[str]:
+        """The results of one reply's `calls` after the episode's `history`, as the domain runs them."""
+        return DOMAINS[self.domain].tool_results(self, history, calls)
+
     def reference_at(self, effort: str = "max") -> list[dict]:
         """The reference episode as an `effort` expert would write it: max keeps the full trace, high
         thinks the brief trace (when the domain has one), low answers without thinking."""
@@ -487,17 +491,18 @@ class ToolUse(Domain):
         return Score(correct=not reason, reason=reason, answer=answer, bad_calls=len(calls) - right, **counts)
 
 
-def continue_with_tool_results(task: Task, reply: Reply, messages: list[dict] | None = None) -> list[dict]:
+def continue_with_tool_results(task, reply: Reply, messages: list[dict] | None = None) -> list[dict]:
     """The next turn's messages: the history (default: the task's prompt), the reply as an assistant
     message (its reasoning kept: K3 trains and serves with the thinking history, DESIGN §13.1), and
-    each call's result from k3.tasks.tools (an "error: ..." result for a bad call, so the model can retry)."""
+    each call's result by `task.tool_results` (an "error: ..." result for a bad call, so the model can
+    retry). `task`: a `Task`, or any episode task (k3/tasks/episodes.py)."""
     if not reply.tool_calls:
         raise ValueError(f"{task.id}: the reply calls no tool, there is no tool result to continue with")
     history = [dict(m) for m in (task.messages if messages is None else messages)]
     turn = {"role": "assistant", "content": reply.content or None, "tool_calls": copy.deepcopy(list(reply.tool_calls))}
     if reply.reasoning:
         turn["reasoning_content"] = reply.reasoning
-    results = DOMAINS[task.domain].tool_results(task, history, list(reply.tool_calls))
+    results = task.tool_results(history, list(reply.tool_calls))
     history.append(turn)
     for call, content in zip(reply.tool_calls, results):
         result = {"role": "tool", "content": content}
@@ -507,7 +512,7 @@ def continue_with_tool_results(task: Task, reply: Reply, messages: list[dict] | 
     return history
 
 
-def needs_another_turn(task: Task, reply: Reply, turns_done: int) -> bool:
+def needs_another_turn(task, reply: Reply, turns_done: int) -> bool:
     """Whether an episode goes on after its `turns_done`-th reply: it called a tool and turns remain."""
     return bool(reply.tool_calls) and turns_done < task.max_turns
 

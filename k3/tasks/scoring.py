@@ -2,16 +2,15 @@
 arguments right, is the answer right.
 
 A conversation's `expected` (written by k3/tasks/default_set.py) is {"tool": name or None, "arguments":
-{...} or None, "answer": str}. `agent_episode` plays one conversation against a model: the prompt up
-to the first assistant turn, the model's first reply, the model's own tool call run with `call_tool`,
-and its final reply. Replies are whatever the chat renderer's parser returns; only the `Reply`
-protocol's attributes are read, so this module does not depend on the renderer.
+{...} or None, "answer": str}. `ConversationTask` is such a conversation as an episode of the one
+runner (k3/tasks/episodes.py): the prompt up to the first assistant turn, the model's first reply,
+the model's own tool call run with `call_tool`, and its final reply. Replies are whatever the chat
+renderer's parser returns; only the `Reply` protocol's attributes are read.
 """
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from typing import Protocol
 
 from k3.tasks.tools import TOOLS, call_tool
@@ -26,9 +25,6 @@ class Reply(Protocol):
     tool_calls: list[dict]  # OpenAI shape: {"id", "type": "function", "function": {"name", "arguments": str}}
     errors: list[str]  # what the parser could not make sense of; empty for a well-formed reply
     complete: bool  # the reply ended properly (not cut off by the token limit)
-
-
-ReplyFn = Callable[[list[dict], list[dict] | None], Reply]
 
 
 def _same(got, want) -> bool:
@@ -110,27 +106,46 @@ def _field(conv, name: str):
     return conv.get(name) if isinstance(conv, dict) else getattr(conv, name, None)
 
 
-def agent_episode(conv, reply_fn: ReplyFn) -> dict[str, bool]:
-    """Play one conversation (a default-set dict or a dataset Conversation with `expected`):
-    `reply_fn(messages, tools) -> Reply` answers the prompt; a tool call is run with `call_tool` on
-    the model's own arguments, its result appended, and `reply_fn` asked again for the final answer."""
-    expected = _field(conv, "expected")
-    if not expected:
-        raise ValueError("the conversation has no 'expected' record to score against")
-    tools = _field(conv, "tools")
-    all_messages = _field(conv, "messages")
-    cut = next((i for i, m in enumerate(all_messages) if m.get("role") == "assistant"), len(all_messages))
-    messages = [dict(m) for m in all_messages[:cut]]
-    first = reply_fn(list(messages), tools)
-    final = None
-    if first.tool_calls:
-        turn = {"role": "assistant", "content": first.content or None, "tool_calls": list(first.tool_calls)}
-        if first.reasoning:
-            turn["reasoning_content"] = first.reasoning
-        messages.append(turn)
-        for k, call in enumerate(first.tool_calls, 1):
-            fn = call.get("function") or {}
-            result = call_tool(fn.get("name"), fn.get("arguments"))
-            messages.append({"role": "tool", "tool_call_id": call.get("id") or f"call_{k}", "content": result})
-        final = reply_fn(list(messages), tools)
-    return score(expected, first, final, tools)
+class ConversationTask:
+    """A held-out conversation (a default-set dict or a dataset Conversation with `expected`) as an
+    episode task (k3/tasks/episodes.py): its prompt up to the first assistant message, a reply, and
+    after a tool call the model's own call run with `call_tool` and the final reply; scored by `score`."""
+    max_turns = 2  # the call, then the answer after its result
+
+    def __init__(self, conv):
+        self.expected = _field(conv, "expected")
+        if not self.expected:
+            raise ValueError("the conversation has no 'expected' record to score against")
+        self.conversation = conv
+        self.tools = _field(conv, "tools")
+        messages = _field(conv, "messages")
+        cut = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+        self.messages = [dict(m) for m in messages[:cut]]
+        self.line = _field(conv, "line")
+        self.id = f"conversation/{_field(conv, 'source') or ''}:{self.line}"
+
+    def render(self, xtml, messages: list[dict] | None = None, effort: str | None = None):
+        return xtml.render(self.messages if messages is None else messages, tools=self.tools, reasoning_effort=effort)
+
+    def tool_results(self, history: list[dict], calls: list[dict]) -> list[str]:
+        return [call_tool((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+                for c in calls]
+
+    def verify(self, replies) -> dict[str, bool]:
+        return score(self.expected, replies[0], replies[1] if len(replies) > 1 else None, self.tools)
+
+
+def summarize_episodes(episodes, tokenizer) -> tuple[dict, list[dict]]:
+    """The summary of ConversationTask episodes (k3/tasks/episodes.py) and one record per episode:
+    its scores and the decoded first and final replies."""
+    scores = [e.score for e in episodes]
+    records = [{"line": e.task.line, **e.score, "reply": tokenizer.decode(e.turns[0], skip_special_tokens=False),
+                "final": tokenizer.decode(e.turns[1], skip_special_tokens=False) if len(e.turns) > 1 else None}
+               for e in episodes]
+    summary = summarize(scores)
+    # the agent-loop bars read over the prompts that need a tool: right tool with valid arguments, answer after it
+    tool = [e.score for e in episodes if e.task.expected.get("tool") is not None]
+    if tool:
+        summary["tool_prompts_tool_ok"] = sum(sc["tool_ok"] for sc in tool) / len(tool)
+        summary["tool_prompts_answer_correct"] = sum(sc["answer_correct"] for sc in tool) / len(tool)
+    return summary, records

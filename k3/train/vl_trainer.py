@@ -50,9 +50,10 @@ from k3.train.errors import TrainError
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
 from k3.train.muon import OPTIMIZERS, Blocks, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, window, windows_for_step
-from k3.train.parallel import all_reduce_sum, any_rank, shard_multimodal
+from k3.train.parallel import all_reduce_sum, any_rank
 from k3.train.settings import settings
 from k3.train.trainer import Trainer, TrainSettings, validate_common
+from k3.train.transforms import apply_transforms
 from k3.train.vl_config import VLCheckpointConfig, load_vl_config
 from k3.train.vl_data import VLEncoder, corpus_texts, describe, pack_vl, scene_questions, scenes_for_step
 
@@ -227,17 +228,7 @@ class VLTrainer(Trainer):
         and the text model's layers, k3/train/parallel.py), compiled; the wrapper's groups, and the
         checkpoint of the run on resume."""
         s = self.s
-        model = model.to(self.world.device)
-        if s.qat:
-            from k3.quant.qat import apply_qat
-
-            apply_qat(model.language_model)
-        if self.world.distributed:
-            model = shard_multimodal(model, self.world)
-        if s.compile:  # after sharding, as Trainer orders it
-            from k3.regional_compile import compile_regions
-
-            compile_regions(model.language_model)
+        model = apply_transforms(model.to(self.world.device), s, self.world)  # QAT, FSDP2, compile (DESIGN §14.3)
         self.params = count_parameters(self.config)
         self.vision_params = count_vision_parameters(self.mm_config.vision_config)
         self.model = model

@@ -135,3 +135,18 @@ def test_published_placeholder_id_and_tiny_vocabulary_config_json(tmp_path):
     again = K3MultimodalConfig.from_dict(json.loads((tmp_path / "config.json").read_text()))
     assert again.to_dict() == cfg.to_dict() and again.media_placeholder_token_id == 4000
     assert again.vision_config == cfg.vision_config and again.text_config == cfg.text_config
+
+
+def test_from_k3_import_with_from_pretrained(tmp_path):
+    """`from k3 import K3ForConditionalGeneration`: the model's class, loading and saving the
+    official three-prefix layout."""
+    import k3
+
+    assert k3.K3ForConditionalGeneration is K3ForConditionalGeneration
+    model = tiny_multimodal(seed=1)
+    model.save_pretrained(tmp_path, max_shard_bytes=100_000)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["KimiK3ForConditionalGeneration"]
+    loaded = k3.K3ForConditionalGeneration.from_pretrained(tmp_path, dtype="auto")
+    assert type(loaded) is K3ForConditionalGeneration and not loaded.training
+    ref, got = model.state_dict(), loaded.state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)

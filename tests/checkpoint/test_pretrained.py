@@ -37,7 +37,7 @@ IDS = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(0))
 
 def test_public_names():
     assert isinstance(small_config(), K3Config) and k3.K3Cache is K3Cache and callable(generate)
-    assert issubclass(K3ForCausalLM, k3.model.K3ForCausalLM)
+    assert K3ForCausalLM is k3.model.K3ForCausalLM  # one class: the model's, its format registered
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         k3.nothing  # noqa: B018
     # `k3 VERB` imports k3 before it sets the CPU threads, which must precede torch
@@ -90,3 +90,21 @@ def test_mxfp4_packed_and_run_folder(model, tmp_path):
     assert experts.dtype == torch.float32 and not torch.equal(experts, dense)  # MXFP4 values, dequantized
     assert torch.isfinite(logits(loaded, IDS)).all()
     assert_rel_close("dense part unchanged", model.lm_head.weight, loaded.lm_head.weight, 0.0)
+
+
+def test_one_class_per_public_model_name():
+    """`class K3ForCausalLM` / `class K3ForConditionalGeneration` each once in k3, and a class no
+    checkpoint format registered says how to get one."""
+    from pathlib import Path
+
+    from k3.model.pretrained import Pretrained
+
+    src = [p.read_text() for p in Path(k3.__file__).parent.rglob("*.py")]
+    for name in ("K3ForCausalLM", "K3ForConditionalGeneration"):
+        assert sum(text.count(f"\nclass {name}(") for text in src) == 1, name
+
+    class Unregistered(Pretrained):
+        pass
+
+    with pytest.raises(RuntimeError, match="from k3 import Unregistered"):
+        Unregistered.from_pretrained("anywhere")

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from k3.rl.episodes import run_episodes
+from k3.rl.effort import episode_length
 from k3.rl.evaluate import evaluate, load_run, main
 from k3.tasks.domains import make_domain
+from k3.tasks.episodes import run_episodes
 from tests.helpers.threads import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.helpers.train import trained_tiny_run
 
@@ -22,7 +23,7 @@ def test_figures_are_the_trainers_episodes_counted_by_kind(run):
     model, xtml = load_run(run)
     tasks = make_domain("strings").heldout(6)
     r = evaluate(model, xtml, tasks, "max", max_tokens=8)
-    episodes = run_episodes(model, xtml, tasks, "max", 8)
+    episodes = run_episodes(model, xtml, tasks, "max", 8, measure=episode_length(xtml))
     assert r["episodes"] == 6
     assert r["accuracy"] == sum(e.score.correct for e in episodes) / 6
     assert r["mean_length"] == sum(e.length for e in episodes) / 6

@@ -24,7 +24,7 @@ def _traj(prompt, completion, trains=None):
 def _groups(seed: int = 5):
     """Two groups of 3 samples (prompts of 70 and 9 tokens: past a KDA chunk and within one) and one
     lone trajectory, completions of 1-40 tokens, one with untrained tokens inside (a tool episode's
-    row, k3/rl/episodes.py), interleaved as a trainer's rows may be."""
+    row, k3/rl/episode_rows.py), interleaved as a trainer's rows may be."""
     g = torch.Generator().manual_seed(seed)
     def rand(n: int) -> list[int]:
         return torch.randint(3, 320, (n,), generator=g).tolist()

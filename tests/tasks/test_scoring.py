@@ -1,14 +1,11 @@
-"""Scoring replies against `expected`, and a whole agent episode with a scripted model."""
+"""Scoring replies against `expected` (whole episodes with a scripted model: tests/tasks/test_episodes.py)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import pytest
 
-from k3.tasks import default_set as ds
-from k3.tasks.scoring import METRICS, agent_episode, contains_answer, score, summarize
-from k3.tasks.tools import TOOLS, call_tool
+from k3.tasks.scoring import METRICS, contains_answer, score, summarize
 
 EXPECTED = {"tool": "convert", "arguments": {"value": 3, "from": "km", "to": "m"}, "answer": "3000 m"}
 PLAIN = {"tool": None, "arguments": None, "answer": "gold key"}
@@ -93,56 +90,3 @@ def test_summarize():
     assert out["n"] == 4 and out["valid_xtml"] == 0.75 and out["answer_correct"] == 0.5
     assert summarize([]) == dict(dict.fromkeys(METRICS, 0.0), n=0.0)
 
-
-def _oracle(conv):
-    """A scripted model that replies exactly as the conversation's own assistant turns do."""
-    assistant = [m for m in conv["messages"] if m["role"] == "assistant"]
-    seen = []
-
-    def reply_fn(messages, tools):
-        assert tools == conv["tools"]
-        assert messages == conv["messages"][:len(messages)]  # the episode rebuilds the conversation exactly
-        m = assistant[len(seen)]
-        seen.append(m)
-        return FakeReply(content=m.get("content") or "", reasoning=m.get("reasoning_content") or "",
-                         tool_calls=m.get("tool_calls") or [])
-    return reply_fn, seen
-
-
-def test_agent_episode_perfect_model():
-    convs = ds.conversations("heldout", 60)
-    for conv in convs:
-        reply_fn, seen = _oracle(conv)
-        assert agent_episode(conv, reply_fn) == ALL_TRUE, conv["messages"][0]
-        assert len(seen) == (2 if conv["expected"]["tool"] else 1)
-
-
-def test_agent_episode_takes_dataset_conversations():
-    for conv in ds.load("heldout", 10):
-        as_dict = {"messages": conv.messages, "tools": conv.tools}
-        reply_fn, _ = _oracle(as_dict)
-        assert agent_episode(conv, reply_fn) == ALL_TRUE
-
-
-def test_agent_episode_runs_the_models_own_call():
-    conv = next(c for c in ds.conversations("heldout", 50) if c["expected"]["tool"] == "calculator")
-    got = []
-
-    def reply_fn(messages, tools):
-        got.append(messages)
-        if len(got) == 1:
-            return FakeReply(tool_calls=[_call("calculator", '{"expression": "2 * 21"}')])
-        return FakeReply(content=f"The answer is {messages[-1]['content']}.")
-
-    s = agent_episode(conv, reply_fn)
-    assert got[1][-1] == {"role": "tool", "tool_call_id": "call_1", "content": "42"}
-    assert call_tool("calculator", {"expression": "2 * 21"}) == "42"
-    assert s["right_tool"] and s["valid_xtml"] and not s["valid_arguments"]
-    assert s["answer_correct"] == (conv["expected"]["answer"] == "42")
-
-
-def test_agent_episode_needs_expected():
-    conv = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
-    with pytest.raises(ValueError, match="expected"):
-        agent_episode(conv, lambda m, t: FakeReply())
-    assert json.dumps(conv)  # untouched and serializable
