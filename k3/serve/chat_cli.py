@@ -19,6 +19,7 @@ from k3.serve.cli import LOAD_ERRORS, add_engine_arguments, build_engine, check_
 NOT_CHAT_TUNED = ("note: {name} has not been chat-tuned (its tokenizer_config.json has no chat_template):\n"
                   "      its replies are plain continuations of the conversation's text, not answers.\n"
                   "      A chat model comes from supervised fine-tuning on conversations: k3 sft --run RUN_DIR")
+DEFAULT_TEMPERATURE = 0.7
 IMAGE_COMMAND = "/image"
 VIDEO_COMMAND = "/video"
 # what the user reads after a reply, by finish reason (the engine's own names are jargon)
@@ -30,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"default: the checkpoint's generation_config.json, else {DEFAULT_TEMPERATURE}")
     p.add_argument("--reasoning-effort", default=None, help="low | high | max (default max; OpenAI's names are mapped)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="reply with the think channel (default: on, or as the --run was trained)")
@@ -83,10 +85,13 @@ def run(args) -> int:
 
     try:
         check_engine_settings(args)
-        model, tokenizer, name, chat_tuned = load_for_serving(args.run, args.model, args.tokenizer, args.device,
-                                                              args.dtype)
-        chat = XTML(tokenizer)  # a tokenizer without K3's chat markers cannot hold a conversation
-        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # bad values: one line
+        served = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+        model, name, chat_tuned, chat = served.model, served.name, served.chat_tuned, served.chat
+        if chat is None:  # no K3 chat markers and no chat template: no conversation to hold
+            XTML(served.tokenizer)  # raises, naming the markers it lacks
+        temperature = args.temperature if args.temperature is not None else (
+            served.generation.temperature if served.generation.temperature is not None else DEFAULT_TEMPERATURE)
+        SamplingParams(max_tokens=args.max_tokens, temperature=temperature)  # bad values: one line
         map_reasoning_effort(args.reasoning_effort)
         engine = build_engine(model, args)
     except LOAD_ERRORS as e:
@@ -137,7 +142,13 @@ def run(args) -> int:
         attached = []
         # every image and clip of the history, in order: earlier ones hit the prefix cache
         media = None if processor is None else history.media(engine.media_placeholder_token_id)
-        prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking, media=media)
+        try:
+            prompt = chat.render(messages, reasoning_effort=args.reasoning_effort, thinking=thinking, media=media)
+        except ValueError as e:  # e.g. a folder's chat template that fails on this conversation
+            messages.pop()
+            history.truncate(known)
+            print(f"[not sent: {e}]")
+            continue
         images = [] if processor is None else history.engine_inputs(prompt.media_offsets)
         try:  # the reply may take what the model length leaves, up to --max-tokens
             budget = min(args.max_tokens, fit_model_length(len(prompt.token_ids), None, engine.max_model_len))
@@ -147,8 +158,9 @@ def run(args) -> int:
             print(f"[not sent: with this message the conversation is {len(prompt.token_ids)} tokens, the model "
                   f"takes {engine.max_model_len}; send a shorter one, with fewer or smaller pictures]")
             continue
-        request = engine.add_request(prompt.token_ids, SamplingParams(max_tokens=budget, temperature=args.temperature,
-                                                                      stop_token_ids=[chat.eos]),
+        request = engine.add_request(prompt.token_ids, SamplingParams(
+            max_tokens=budget, temperature=temperature, top_p=served.generation.top_p or 1.0,
+            stop_token_ids=[chat.eos, *served.generation.eos_token_ids]),
                                      boundaries=prompt.boundaries, eos_token_id=chat.end_of_msg, images=images)
         parser, shown, show = chat.parser_for(prompt), 0, ReplyPrinter(styled)
         while not request.status.finished:

@@ -1,9 +1,10 @@
 """What to serve: a `k3 train` run folder (its latest checkpoint) or any HF-layout checkpoint,
-plus its tokenizer.json, and whether the model was chat-tuned.
+a Kimi release as downloaded included, plus its tokenizer, chat format, generation defaults and
+whether the model was chat-tuned (k3/text/model_folder.py reads those).
 
 A checkpoint counts as chat-tuned when the tokenizer_config.json beside its tokenizer carries a
-`chat_template` (the Hugging Face sign of a chat model, which supervised fine-tuning writes); a
-`k3 train` run is pretraining and has none.
+`chat_template` (the Hugging Face sign of a chat model, which supervised fine-tuning writes), or the
+folder has a chat_template.jinja; a `k3 train` run is pretraining and has none.
 """
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from k3.checkpoint.multimodal import is_multimodal_checkpoint, load_pretrained_m
 from k3.checkpoint.pretrained import load_pretrained
 from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.model.multimodal import MEDIA_PLACEHOLDER_TOKEN_ID
-from k3.text.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILE, load_tokenizer
+from k3.text.generation_config import GenerationDefaults
+from k3.text.model_folder import load_folder_text
+from k3.text.tiktoken_folder import TIKTOKEN_FILE
+from k3.text.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +37,12 @@ def checkpoint_folder(run: str | None, model: str | None) -> Path:
 
 
 def tokenizer_path(folder: Path, tokenizer: str | None) -> Path:
-    path = Path(tokenizer) if tokenizer else folder / TOKENIZER_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {folder}; pass --tokenizer PATH")
-    return path / TOKENIZER_FILE if path.is_dir() else path
+    """The tokenizer's source: --tokenizer (a file or a folder), else the checkpoint folder, which
+    holds a tokenizer.json or a release's tiktoken.model."""
+    path = Path(tokenizer) if tokenizer else folder
+    if not path.exists() or path.is_dir() and not ((path / TOKENIZER_FILE).is_file() or (path / TIKTOKEN_FILE).is_file()):
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} or {TIKTOKEN_FILE} in {path}; pass --tokenizer PATH")
+    return path / TOKENIZER_FILE if path.is_dir() and (path / TOKENIZER_FILE).is_file() else path
 
 
 def is_chat_tuned(tokenizer_file: Path) -> bool:
@@ -65,6 +71,8 @@ class Served(NamedTuple):
     tokenizer: Tokenizer
     name: str  # the served model name: the run's (or checkpoint folder's) name
     chat_tuned: bool
+    chat: object = None  # XTML, the folder's TemplateChat, or None (completions only)
+    generation: GenerationDefaults = GenerationDefaults()  # generation_config.json's defaults
 
 
 def check_placeholder(token: int, vocab: int, tokenizer, folder) -> None:
@@ -86,19 +94,20 @@ def load_for_serving(run: str | None = None, model: str | None = None, tokenizer
     resolved checkpoint. A missing or corrupted file raises ValueError / OSError naming it."""
     folder = checkpoint_folder(run, model)
     tok_path = tokenizer_path(folder, tokenizer)
+    load = load_pretrained_multimodal if is_multimodal_checkpoint(folder) else load_pretrained
+    net = load(folder, device=torch.device(device), dtype=DTYPES[dtype]).eval()
+    text_config = (net.language_model if hasattr(net, "language_model") else net).config
     try:
-        tok = load_tokenizer(tok_path)
-    except OSError:
+        text = load_folder_text(folder, text_config, tok_path)
+    except (OSError, ValueError):  # one line each, naming the file
         raise
     except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception on a malformed file)
         raise ValueError(f"{tok_path} is not a readable tokenizer file ({e})") from None
-    load = load_pretrained_multimodal if is_multimodal_checkpoint(folder) else load_pretrained
-    net = load(folder, device=torch.device(device), dtype=DTYPES[dtype]).eval()
-    vocab = (net.language_model if hasattr(net, "language_model") else net).config.vocab_size
+    tok, vocab = text.tokenizer, text_config.vocab_size
     if tok.get_vocab_size() > vocab:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids, the model only {vocab}")
     if hasattr(net, "language_model"):
         check_placeholder(net.config.media_placeholder_token_id, vocab, tok, folder)
     name = Path(run or model).name  # a run folder's name, or the checkpoint folder's
     log.info("serving %s (%s) from %s", name, dtype, folder)
-    return Served(net, tok, name, is_chat_tuned(tok_path))
+    return Served(net, tok, name, text.chat_tuned, text.chat, text.generation)

@@ -68,9 +68,9 @@ def special_ids(tok: Tokenizer, names: tuple[str, ...] | None = None) -> dict[st
 
 
 def token_bytes(tok: Tokenizer) -> list[int]:
-    """UTF-8 bytes each id stands for (0 for special tokens)."""
-    specials = set(SPECIAL_TOKENS.values())
-    return [0 if (s := tok.id_to_token(i)) in specials else len(s) for i in range(tok.get_vocab_size())]
+    """UTF-8 bytes each id stands for (0 for special tokens: k3's, or a release's [BOS], <|im_end|>, ...)."""
+    specials = set(SPECIAL_TOKENS.values()) | {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    return [0 if (s := tok.id_to_token(i)) in specials or s is None else len(s) for i in range(tok.get_vocab_size())]
 
 
 def save_tokenizer(tok: Tokenizer, directory: str | Path, *, chat_template: str | None = None) -> Path:

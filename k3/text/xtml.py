@@ -87,6 +87,8 @@ from k3.text.tokenizer import CHAT_MARKERS, SPECIAL_TOKENS, encode_texts, prepar
 from k3.text.xtml_markup import escape_attr, json_compact
 from k3.text.xtml_parser import Reply, ReplyParser
 
+RELEASE_EOS = "[EOS]"  # the eos of Kimi's released tokenizers (tokenizer_config.json's eos_token)
+
 EFFORTS = ("low", "high", "max")
 DEFAULT_EFFORT = "max"  # the official chat template's default
 # OpenAI's reasoning_effort onto K3's levels; None: "none" turns thinking off.
@@ -333,12 +335,16 @@ class XTML:
     """K3's chat format over a tokenizer that has the four markers (every tokenizer k3 trains)."""
 
     def __init__(self, tokenizer: Tokenizer):
-        ids = special_ids(tokenizer)  # ValueError naming the missing markers
+        ids = special_ids(tokenizer, CHAT_MARKERS)  # ValueError naming the missing markers
+        # k3's tokenizers call eos <|eos|>; the K3 release's tiktoken.model folder calls it [EOS]
+        eos = next((i for i in map(tokenizer.token_to_id, (SPECIAL_TOKENS["eos"], RELEASE_EOS)) if i is not None), None)
+        if eos is None:
+            raise ValueError(f"tokenizer lacks an eos token ({SPECIAL_TOKENS['eos']} or {RELEASE_EOS})")
         prepare(tokenizer)  # literal marker text in messages encodes as text
         self.tokenizer = tokenizer
         self.marker_ids = {name: ids[name] for name in CHAT_MARKERS}
         self.open, self.sep, self.close = ids["open"], ids["sep"], ids["close"]
-        self.end_of_msg, self.eos = ids["end_of_msg"], ids["eos"]
+        self.end_of_msg, self.eos = ids["end_of_msg"], eos
         self.stop_ids = (self.end_of_msg, self.eos)  # a reply stops at either
         self.token_bytes = _token_bytes(tokenizer)
 

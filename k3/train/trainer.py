@@ -59,7 +59,6 @@ from k3.train.parallel import (
     broadcast_object,
     clip_grad_norm_,
     init_world,
-    shard_model,
     shutdown,
 )
 from k3.train.progress import Progress
@@ -73,6 +72,7 @@ from k3.train.settings import (
     RunSettings,
     settings,
 )
+from k3.train.transforms import apply_transforms
 from k3.train.vl_config import VL_PRESETS
 
 RUN_FILE = "run.json"
@@ -288,22 +288,27 @@ class Trainer:
     def cache_dir(settings) -> Path:
         return resolve_cache_dir(settings.cache_dir)
 
-    def _adopt_tokenizer(self, config: K3Config) -> None:
-        """self.config = `config` with the tokenizer's special ids; per-id byte counts for bits per byte."""
+    def _adopt_tokenizer(self, config: K3Config, keep_ids: bool = False) -> None:
+        """self.config = `config` with the tokenizer's special ids (`keep_ids`: config.json's own, a
+        release's, checked against its tokenizer when it was read); per-id byte counts for bits per byte."""
         if self.tokenizer.get_vocab_size() > config.vocab_size:
             raise TrainError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens, the model's vocab_size is {config.vocab_size}")
-        try:
-            ids = special_ids(self.tokenizer, ("bos", "eos", "pad"))  # pretraining needs no chat markers
-        except ValueError as e:
-            raise TrainError(str(e)) from None
-        self.config = config.replace(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+        if keep_ids:
+            self.config = config
+        else:
+            try:
+                ids = special_ids(self.tokenizer, ("bos", "eos", "pad"))  # pretraining needs no chat markers
+            except ValueError as e:
+                raise TrainError(str(e)) from None
+            self.config = config.replace(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
         self.token_bytes = torch.tensor(token_bytes(self.tokenizer) + [0] * (config.vocab_size - self.tokenizer.get_vocab_size()))
 
     def _adopt_chat(self, start: ChatStart, config: K3Config) -> None:
         """A post-training verb's start (k3.train.chat_start): its tokenizer, fitted to `config`, and
         its chat format."""
         self.tokenizer, self.chat = start.tokenizer, start.chat
-        self._adopt_tokenizer(config)
+        self.tokenizer_files = start.files_from
+        self._adopt_tokenizer(config, keep_ids=start.files_from is not None)
 
     def _write_run_files(self, settings, resume: bool) -> None:
         """Everything validated: from here on we write."""
@@ -319,18 +324,8 @@ class Trainer:
     def _setup_model(self, model: K3ForCausalLM, resume: bool) -> None:
         """Place, quantize, shard and compile `model`; build the optimizer; on resume load the latest checkpoint."""
         settings = self.s
-        model = model.to(self.world.device)
-        if settings.qat:
-            from k3.quant.qat import apply_qat
-
-            apply_qat(model)
         self.params = count_parameters(self.config)
-        self.model = (shard_model(model, self.world, ep=settings.ep, dp=settings.dp, ep_plan=settings.ep_plan)
-                      if self.world.distributed else model)
-        if settings.compile:  # after sharding, as torchtitan orders it: FSDP2 hooks stay outside the graphs
-            from k3.regional_compile import compile_regions
-
-            compile_regions(model)
+        self.model = apply_transforms(model.to(self.world.device), settings, self.world)  # QAT, EP + FSDP2, compile
         self._start_optimizer(param_groups(self.model, self.config, weight_decay=settings.weight_decay,
                                            optimizer=settings.optimizer), resume)
 
@@ -567,9 +562,14 @@ class Trainer:
 
     def save_tokenizer_to(self, folder: Path) -> None:
         """The run's tokenizer, with the chat template when the trainer teaches chat (CHAT_MODEL):
-        the mark `k3 chat` and `k3 serve` read as a chat model."""
+        the mark `k3 chat` and `k3 serve` read as a chat model. A release's tokenizer files (and its
+        chat template) are carried over as they came, so its own code reads the checkpoint too."""
         from k3.text.chat_template import CHAT_TEMPLATE
+        from k3.text.model_folder import carry_tokenizer_files
 
+        if getattr(self, "tokenizer_files", None) is not None:
+            carry_tokenizer_files(self.tokenizer_files, folder)
+            return
         save_tokenizer(self.tokenizer, folder, chat_template=CHAT_TEMPLATE if self.CHAT_MODEL else None)
 
     def write_outputs(self, records: list[dict], checkpoint: Path | None) -> None:

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -23,11 +23,14 @@ from k3.serve.api.media import prepare_media
 from k3.serve.api.media_fetch import FetchPolicy
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest, ErrorResponse
+from k3.serve.api.responses import ChatCompletion, Completion, Health, ModelList, ok
 from k3.serve.api.tool_calls import ToolCallChecker
 from k3.serve.engine import AsyncEngine, EngineError, ImageInput, RequestStream, StreamDelta
 from k3.serve.request import ContextLengthError, fit_model_length
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import QueueFullError
+from k3.text.generation_config import GenerationDefaults
+from k3.text.template_chat import TemplateChat
 from k3.text.tokenizer import encode_text
 from k3.text.xtml import XTML, Rendered
 
@@ -36,13 +39,14 @@ from k3.text.xtml import XTML, Rendered
 class ServingContext:
     engine: AsyncEngine
     tokenizer: Tokenizer
-    chat: XTML | None  # None: the tokenizer lacks K3's chat markers (completions only)
+    chat: XTML | TemplateChat | None  # None: no chat format (no K3 markers, no chat template): completions only
     model_name: str
     metrics: Metrics
     created: int
     images: ImageProcessor | None = None  # a vision model's processor; None: text only
     chat_defaults: ChatTemplateKwargs | None = None  # --default-chat-template-kwargs, or the run's (run.json)
     media_fetch: FetchPolicy | None = None  # http(s) image URLs are fetched under it; None: never
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json's
 
 
 router = APIRouter()
@@ -72,11 +76,15 @@ def _sampling(ctx: ServingContext, body, prompt_len: int, max_new: int | None, l
         prompt = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         raise APIError(400, str(e), code="context_length_exceeded",
                        param=prompt if e.prompt_fills else "max_tokens") from None
+    g = ctx.generation  # the checkpoint's generation_config.json fills what the request leaves out
+    temperature = body.temperature if body.temperature is not None else g.temperature
+    top_p = body.top_p if body.top_p is not None else g.top_p
+    top_k = body.top_k if "top_k" in body.model_fields_set or g.top_k is None else g.top_k
     try:
-        return SamplingParams(max_tokens=max_tokens,
-                              temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, seed=body.seed,
-                              stop=body.stop_list, stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos,
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+                              top_p=1.0 if top_p is None else top_p, top_k=top_k, seed=body.seed,
+                              stop=body.stop_list, stop_token_ids=[*stop_token_ids, *g.eos_token_ids],
+                              ignore_eos=body.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -250,10 +258,9 @@ def _joined(head: dict | None, tail: dict | None) -> dict | None:
 
 
 # ---------------------------------------------------------------------- endpoints
-@router.get("/health", responses={503: {"description": "the engine has stopped",
-                                        "content": {"application/json": {"schema": {
-                                            "type": "object", "properties": {"status": {"type": "string"},
-                                                                              "error": {"type": "string"}}}}}}})
+@router.get("/health", responses={**ok(Health, "the engine is running"), 503: {
+    "description": "the engine has stopped", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"type": "string"}, "error": {"type": "string"}}}}}}})
 async def health(request: Request):
     ctx = _ctx(request)
     if ctx.engine.error is not None:
@@ -268,7 +275,7 @@ async def metrics(request: Request):
     return Response(generate_latest(_ctx(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models", responses=_errors(401))
+@router.get("/v1/models", responses={**ok(ModelList, "the one model served"), **_errors(401)})
 async def models(request: Request):
     ctx = _ctx(request)
     return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
@@ -281,7 +288,7 @@ def _check_model(ctx: ServingContext, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-@router.post("/v1/completions", responses=GENERATE_ERRORS)
+@router.post("/v1/completions", responses={**ok(Completion, "the completion", stream=True), **GENERATE_ERRORS})
 async def completions(body: CompletionRequest, request: Request):
     ctx = _ctx(request)
     t0 = time.monotonic()
@@ -358,7 +365,8 @@ async def _prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> _Pr
     engine sees the request."""
     _check_model(ctx, body.model)
     if ctx.chat is None:
-        raise APIError(400, "this model's tokenizer has no K3 chat markers; use /v1/completions")
+        raise APIError(400, "this model has no chat format (no K3 chat markers, no chat template); "
+                            "use /v1/completions")
     tool_choice = body.tool_choice if not hasattr(body.tool_choice, "model_dump") else body.tool_choice.model_dump()
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
     use_tools = bool(tools) and tool_choice != "none"
@@ -452,7 +460,8 @@ def _chat_stream(ctx: ServingContext, body: ChatCompletionRequest, chat: _Prepar
     return _streaming(sse(), handle)
 
 
-@router.post("/v1/chat/completions", responses=GENERATE_ERRORS)
+@router.post("/v1/chat/completions",
+             responses={**ok(ChatCompletion, "the chat completion", stream=True), **GENERATE_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = _ctx(request)
     t0 = time.monotonic()

@@ -29,6 +29,7 @@ from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest
 from k3.serve.api.routes import ServingContext, router
 from k3.serve.engine import AsyncEngine
+from k3.text.generation_config import GenerationDefaults
 from k3.text.xtml import XTML
 
 log = logging.getLogger(__name__)
@@ -96,9 +97,12 @@ def _field_path(body, loc) -> list:
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              default_chat_template_kwargs: dict | None = None, media_fetch: FetchPolicy | None = None) -> FastAPI:
+              default_chat_template_kwargs: dict | None = None, media_fetch: FetchPolicy | None = None,
+              chat=None, generation: GenerationDefaults | None = None) -> FastAPI:
     """default_chat_template_kwargs: used by chat requests that send no chat_template_kwargs;
-    media_fetch: the policy under which http(s) image URLs are fetched (None: they are refused)."""
+    media_fetch: the policy under which http(s) image URLs are fetched (None: they are refused);
+    chat: the chat format (k3.text.model_folder.chat_format; default XTML over `tokenizer` when it
+    has K3's markers); generation: the checkpoint's generation_config.json defaults."""
     chat_defaults = chat_template_defaults(default_chat_template_kwargs)
 
     @asynccontextmanager
@@ -108,15 +112,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, api
         engine.shutdown()
 
     app = FastAPI(title="k3", lifespan=lifespan)
-    try:
-        chat = XTML(tokenizer)
-    except ValueError as e:  # e.g. a Kimi Linear tokenizer: completions only
-        log.warning("chat endpoint disabled: %s", e)
-        chat = None
+    if chat is None:
+        try:
+            chat = XTML(tokenizer)
+        except ValueError as e:  # e.g. a Kimi Linear base tokenizer without a chat template: completions only
+            log.warning("chat endpoint disabled: %s", e)
     vision = engine.engine.vision
     images = None if vision is None else ImageProcessor.from_vision_config(vision.config.vision_config)
     app.state.ctx = ServingContext(engine, tokenizer, chat, model_name, Metrics(engine.engine), int(time.time()),
-                                   images, chat_defaults, media_fetch)
+                                   images, chat_defaults, media_fetch, generation or GenerationDefaults())
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
