@@ -11,12 +11,17 @@ the runner executes (copies before the forward, checkpoint saves after it).
 
 Admission order matters (DESIGN §11): the hit's pages are pinned BEFORE anything is allocated, so
 allocating the request's own pages can never evict the prefix it is about to reuse.
+
+With `host_pages`, evicted cached content is written back to a host tier and found there again
+(host_tier.py): `lookup` may then start a prefetch and answer `pending`, and each step's copies
+join the plan (`end_step`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from k3.serve.block_pool import BlockPool
+from k3.serve.host_tier import HostTier
 from k3.serve.page_layout import PageLayout
 from k3.serve.prefix_cache import LookupResult, PrefixCache, extend_block_hashes
 from k3.serve.request import Request
@@ -28,6 +33,10 @@ class PagePlan:
     zero: list[int] = field(default_factory=list)  # fresh private state pages (a miss starts from zeros)
     copy_before: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): hit -> private
     copy_after: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): private -> checkpoint
+    # host tier (host_tier.py), first of all: (device page, host page) evicted content kept, then
+    # (host page, device page) a hit brought back for a later step
+    write_back: list[tuple[int, int]] = field(default_factory=list)
+    prefetch: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -41,10 +50,11 @@ class RequestPages:
 
 class CacheManager:
     def __init__(self, layout: PageLayout, num_pages: int, *, hash_block_size: int = 64,
-                 enable_prefix_caching: bool = True, retain_stopped: bool = True):
+                 enable_prefix_caching: bool = True, retain_stopped: bool = True, host_pages: int = 0):
         self.layout = layout
         self.pool = BlockPool(num_pages)
         self.prefix = PrefixCache(self.pool, layout, hash_block_size)
+        self.host = HostTier(self.prefix, host_pages) if host_pages > 0 and enable_prefix_caching else None
         self.enable_prefix_caching = enable_prefix_caching
         self.retain_stopped = retain_stopped  # cache a stopped request's state where it stopped (`retain`)
         self.requests: dict[str, RequestPages] = {}
@@ -60,6 +70,8 @@ class CacheManager:
 
     # ------------------------------------------------------------------ admission
     def lookup(self, request: Request) -> LookupResult:
+        """The request's prefix hit; with a host tier, a hit that needs host pages starts their
+        prefetch and is `pending` (retry at a later step)."""
         tokens = request.hash_token_ids
         limit = len(tokens) - 1  # keep one token to compute: its logits pick the next token
         if not self.enable_prefix_caching:
@@ -69,7 +81,30 @@ class CacheManager:
         if limit < 1:
             return LookupResult(0, [], None, 0, "too_short")
         hashes = extend_block_hashes(request.block_hashes, tokens, self.prefix.hash_block_size)
+        if self.host is not None:
+            return self.host.lookup(request.request_id, tokens, hashes, limit)
         return self.prefix.lookup(tokens, hashes, limit)
+
+    def begin_step(self) -> None:
+        """Before scheduling: the last step's prefetched entries are readable now."""
+        if self.host is not None:
+            self.host.begin_step()
+
+    def end_step(self, plan: PagePlan) -> None:
+        """After scheduling: this step's host-tier copies join its plan."""
+        if self.host is not None:
+            write_back, prefetch = self.host.end_step()
+            plan.write_back += write_back
+            plan.prefetch += prefetch
+
+    def pages_to_grow(self, request: Request, num_tokens: int) -> int:
+        """Pages a running request still needs to hold `num_tokens` tokens (the admission controller's
+        projection)."""
+        return max(0, self.layout.mla_pages_for(num_tokens) - len(self.requests[request.request_id].page_table))
+
+    def pages_to_admit(self, hit: LookupResult, num_tokens: int) -> int:
+        """Pages `admit` would take for a request that holds `num_tokens` tokens after the hit."""
+        return self.layout.pages_per_state + self.layout.mla_pages_for(num_tokens) - hit.length // self.layout.block_size
 
     def admit(self, request: Request, hit: LookupResult, num_new_tokens: int, plan: PagePlan) -> bool:
         """Give `request` its pages for the hit plus `num_new_tokens`; False (nothing held) when
@@ -101,6 +136,8 @@ class CacheManager:
             request.num_cached_tokens = hit.length
         if self.enable_prefix_caching:
             self.prefix.record(hit, len(request.all_token_ids), request.request_id)
+        if self.host is not None:
+            self.host.admitted(request.request_id, hit.length)
         return True
 
     def grow(self, request: Request, num_new_tokens: int) -> bool:
@@ -176,6 +213,8 @@ class CacheManager:
 
     def free(self, request: Request) -> None:
         """Release everything the request holds (finish, abort, preemption)."""
+        if self.host is not None:
+            self.host.release_hold(request.request_id)
         pages = self.requests.pop(request.request_id, None)
         if pages is None:
             return

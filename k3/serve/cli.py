@@ -33,6 +33,22 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue bound (beyond it: HTTP 429)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--host-cache-gb", type=float, default=0.0, metavar="GB",
+                   help="host-memory tier of the prefix cache (pinned on CUDA): evicted prefixes are written "
+                        "back there and prefetched on a later hit instead of recomputed (default 0: none)")
+    p.add_argument("--admission", choices=["auto", "fixed"], default=d.admission,
+                   help="auto: admit while the running requests' projected pages fit the pool (docs/SERVING.md); "
+                        "fixed: admit until --max-num-seqs or the pool is full, preempting when it overflows")
+    p.add_argument("--admission-target-usage", type=float, default=d.admission_target_usage, metavar="F",
+                   help="auto admission: share of the pool the projected pages may fill (default %(default)s)")
+    p.add_argument("--admission-output-ratio", type=float, default=d.admission_output_ratio, metavar="F",
+                   help="auto admission: share of each request's remaining max_tokens reserved at first "
+                        "(default %(default)s; 1 after a preemption)")
+    p.add_argument("--admission-min-output-ratio", type=float, default=d.admission_min_output_ratio, metavar="F",
+                   help="auto admission: the least share reserved (default %(default)s)")
+    p.add_argument("--admission-ratio-decay", type=float, default=d.admission_ratio_decay, metavar="F",
+                   help="auto admission: how much the reserved share falls per step without a preemption "
+                        "(default %(default)s)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every decode step eagerly (default on CUDA: replay lasting decode batches from CUDA graphs)")
     p.add_argument("--compile", action="store_true",
@@ -52,7 +68,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_engine_settings(args) -> None:
-    """Bad speculation or batch-invariance settings, refused before anything loads (one line)."""
+    """Bad speculation, batch-invariance or host-tier settings, refused before anything loads (one line)."""
+    if args.host_cache_gb < 0:
+        raise ValueError(f"--host-cache-gb must be >= 0, got {args.host_cache_gb}")
     if args.batch_invariant and args.device != "cpu":
         raise ValueError(f"--batch-invariant is CPU-only, got --device {args.device}")
     if args.batch_invariant and args.compile:
@@ -83,7 +101,11 @@ def engine_config(args) -> EngineConfig:
                         cuda_graphs=not args.no_cuda_graphs, compile="inductor" if args.compile else None,
                         seed=args.seed, num_speculative_tokens=0 if args.draft is None
                         else args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
-                        batch_invariant=args.batch_invariant)
+                        batch_invariant=args.batch_invariant, host_cache_bytes=int(args.host_cache_gb * 2**30),
+                        admission=args.admission, admission_target_usage=args.admission_target_usage,
+                        admission_output_ratio=args.admission_output_ratio,
+                        admission_min_output_ratio=args.admission_min_output_ratio,
+                        admission_ratio_decay=args.admission_ratio_decay)
 
 
 # what loading a bad --run / --model / --tokenizer raises (a missing or corrupted file, a checkpoint
@@ -153,7 +175,8 @@ def run(args) -> int:
         check_engine_settings(args)
         chat_template_defaults(args.default_chat_template_kwargs)  # a bad value fails before the model loads
         media_fetch = media_fetch_policy(args)
-        model, tokenizer, name, _ = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+        served = load_for_serving(args.run, args.model, args.tokenizer, args.device, args.dtype)
+        model, tokenizer, name = served.model, served.tokenizer, served.name
         engine = AsyncEngine(build_engine(model, args), tokenizer)
     except LOAD_ERRORS as e:
         return usage_error("serve", e)
@@ -169,6 +192,6 @@ def run(args) -> int:
             if media_fetch.allowed_domains else "any host", media_fetch.timeout)
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, default_chat_template_kwargs=chat_defaults,
-                    media_fetch=media_fetch)
+                    media_fetch=media_fetch, chat=served.chat, generation=served.generation)
     run_server(app, args.host, args.port)
     return 0

@@ -45,6 +45,7 @@ from tokenizers import Tokenizer
 from k3.model.multimodal import placeholder_count
 from k3.ops.batch_invariant import batch_invariant, check_device
 from k3.regional_compile import compile_regions
+from k3.serve.admission import AdmissionController
 from k3.serve.cache_manager import CacheManager
 from k3.serve.detokenizer import IncrementalDetokenizer, TextView
 from k3.serve.page_layout import PageLayout
@@ -92,6 +93,15 @@ class EngineConfig:
     # every token computed with the same arithmetic whatever the batch, chunking or speculation
     # (k3.ops.batch_invariant; CPU only, slower): outputs reproducible bit for bit
     batch_invariant: bool = False
+    # the prefix cache's host-memory tier (k3/serve/host_tier.py): bytes of host pages, 0 for none
+    host_cache_bytes: int = 0
+    # admission (k3/serve/admission.py): "auto" throttles by projected pool use, "fixed" admits
+    # while pages and max_num_seqs last (preempting when running requests outgrow the pool)
+    admission: str = "auto"
+    admission_target_usage: float = 0.95
+    admission_output_ratio: float = 0.7  # SGLang's new_token_ratio schedule: 0.7 down to 0.1 over 600 steps
+    admission_min_output_ratio: float = 0.1
+    admission_ratio_decay: float = 0.001
 
 
 MAX_SPECULATIVE_TOKENS = 16
@@ -178,15 +188,24 @@ class LLMEngine:
         self.speculation_bytes = 0 if draft is None else config.max_num_seqs * (
             speculator.state_bytes() + (k + 1) * self.layout.replay_bytes_per_token)
         num_pages = max(config.cache_bytes - self.speculation_bytes, 0) // self.layout.page_bytes
+        if config.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {config.host_cache_bytes}")
+        host_pages = config.host_cache_bytes // self.layout.page_bytes if config.enable_prefix_caching else 0
         self.cache = CacheManager(self.layout, num_pages, hash_block_size=config.hash_block_size,
-                                  enable_prefix_caching=config.enable_prefix_caching)
+                                  enable_prefix_caching=config.enable_prefix_caching, host_pages=host_pages)
+        if config.admission not in ("auto", "fixed"):
+            raise ValueError(f"admission must be 'auto' or 'fixed', got {config.admission!r}")
+        admission = None if config.admission == "fixed" else AdmissionController(
+            num_pages, config.admission_target_usage, config.admission_output_ratio,
+            config.admission_min_output_ratio, config.admission_ratio_decay)
         self.scheduler = Scheduler(self.cache, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=min(config.max_model_len, model.config.max_position_embeddings),
                                    max_waiting=config.max_waiting, num_speculative_tokens=k,
-                                   max_num_encoder_tokens=config.max_num_encoder_tokens)
+                                   max_num_encoder_tokens=config.max_num_encoder_tokens, admission=admission)
         self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs,
-                                  speculator=speculator, vision=self.vision, sampler=sampler)
+                                  speculator=speculator, vision=self.vision, sampler=sampler,
+                                  num_host_pages=host_pages)
         self.eos_token_id = model.config.eos_token_id
         # reentrant: abort() may run from a finalizer (gc) on any thread, even the engine thread
         # while it holds the lock (it then reads nothing mid-step: `_stepping`)
@@ -195,9 +214,10 @@ class LLMEngine:
         # a deque: the abort itself is queued and applied by the next step, whichever thread asks
         self._aborts: deque[tuple[str, RequestStatus]] = deque()
         self._ids = itertools.count()
-        log.info("engine: %d pages of %d bytes (%d tokens each; KDA state %d pages), hash block %d, prefix cache %s",
-                 num_pages, self.layout.page_bytes, config.block_size, self.layout.pages_per_state,
-                 config.hash_block_size, "on" if config.enable_prefix_caching else "off")
+        log.info("engine: %d pages of %d bytes (%d tokens each; KDA state %d pages), hash block %d, prefix cache %s, "
+                 "host tier %d pages, admission %s", num_pages, self.layout.page_bytes, config.block_size,
+                 self.layout.pages_per_state, config.hash_block_size,
+                 "on" if config.enable_prefix_caching else "off", host_pages, config.admission)
         if draft is not None:
             log.info("speculative decoding: %d draft tokens per step; %.1f MB of the pool for draft states and "
                      "replay inputs (%d sequences)", k, self.speculation_bytes / 2**20, config.max_num_seqs)

@@ -15,6 +15,8 @@ endpoint inside it whose KDA checkpoint is complete; a hybrid model cannot resum
 Entries hold no references: like vLLM, cached pages sit in the pool's free queue until handed out
 again, and that hand-out evicts them here. Losing any page of a KDA checkpoint drops the whole
 checkpoint (its sibling snapshots become plain free pages); losing an MLA page drops the entry.
+With a host tier (host_tier.py) what is dropped is first handed to `on_drop` (written back), and the
+same walk runs over both tiers (`walk`).
 """
 from __future__ import annotations
 
@@ -48,6 +50,32 @@ def extend_block_hashes(hashes: list[bytes], tokens: Sequence[int], hash_block_s
     return hashes
 
 
+def walk(tokens: Sequence[int], hashes: list[bytes], limit: int, hash_block_size: int, find, offsets):
+    """The lookup's walk, over any tiers: `find(key)` is what they hold at a key (None: nothing),
+    `offsets(parent)` the endpoint offsets inside the block after `parent`. Returns (chain: the
+    full-block matches from the root, endpoints: every matched endpoint, full or partial) of
+    (length, key, found)."""
+    H = hash_block_size
+    chain, endpoints = [], []
+    parent = ROOT_KEY
+    for k in range(limit // H + 1):
+        for r in sorted(offsets(parent)):
+            if k * H + r <= limit:
+                key = chain_hash(parent, tokens[k * H:k * H + r])
+                found = find(key)
+                if found is not None:
+                    endpoints.append((k * H + r, key, found))
+        if (k + 1) * H > limit:
+            break
+        found = find(hashes[k])
+        if found is None:
+            break
+        chain.append((k * H + H, hashes[k], found))
+        endpoints.append(chain[-1])
+        parent = hashes[k]
+    return chain, endpoints
+
+
 @dataclass
 class CacheEntry:
     key: bytes
@@ -64,6 +92,11 @@ class LookupResult:
     kda_pages: list[list[int]] | None  # the checkpoint at `length` (None on a miss)
     mla_match: int  # the longest endpoint whose MLA pages are cached
     reason: str | None  # why it missed or fell short of the MLA match; None for a full hit
+    # the hit's pages are being brought back from the host tier: the request waits a step (host_tier.py)
+    pending: bool = False
+    # the hit is on the host tier and the device pool has no room for it yet: the request waits for
+    # room like one the pool cannot admit (cheaper than recomputing what the host holds)
+    wait_for_room: bool = False
 
 
 @dataclass
@@ -91,6 +124,12 @@ class PrefixCache:
         self._partials: dict[bytes, Counter[int]] = {}
         self._users: dict[int, set[bytes]] = {}  # page id -> keys of the entries that point to it
         self.stats = CacheStats()
+        # called with an entry and whether its MLA pages go too, just before an eviction drops what
+        # it points to (the host tier writes it back); None: dropped content is gone
+        self.on_drop = None
+        # keys whose pages are being copied in from the host tier this step: not looked up before the
+        # next step (a request never reads a half-copied page)
+        self.loading: set[bytes] = set()
         pool.on_evict = self._evict
 
     # ------------------------------------------------------------------ keys
@@ -105,21 +144,12 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], hashes: list[bytes], limit: int) -> LookupResult:
         """The longest reusable prefix of `tokens` no longer than `limit` (callers keep at least
         one token to compute, so that the last position yields logits)."""
-        H = self.hash_block_size
-        chain: list[CacheEntry] = []  # full-block entries from the root
-        endpoints: list[CacheEntry] = []  # every matched endpoint, full or partial
-        parent = ROOT_KEY
-        for k in range(limit // H + 1):
-            for r in sorted(self._partials.get(parent, ())):
-                if k * H + r <= limit:
-                    entry = self.entries.get(chain_hash(parent, tokens[k * H:k * H + r]))
-                    if entry is not None:
-                        endpoints.append(entry)
-            if (k + 1) * H > limit or hashes[k] not in self.entries:
-                break
-            chain.append(self.entries[hashes[k]])
-            endpoints.append(chain[-1])
-            parent = hashes[k]
+        def find(key):
+            return None if key in self.loading else self.entries.get(key)
+
+        chain, endpoints = walk(tokens, hashes, limit, self.hash_block_size, find, self.partial_offsets)
+        chain = [e for _, _, e in chain]
+        endpoints = [e for _, _, e in endpoints]
         mla_match = max((e.length for e in endpoints), default=0)
         need_kda = self.layout.num_kda_layers > 0
         usable = [e for e in endpoints if e.kda_pages is not None or not need_kda]
@@ -135,6 +165,10 @@ class PrefixCache:
         page_table = [pages[i] for i in range(self.layout.mla_pages_for(best.length))]
         reason = None if best.length == mla_match else "kda_checkpoint_behind_mla_match"
         return LookupResult(best.length, page_table, best.kda_pages, mla_match, reason)
+
+    def partial_offsets(self, parent: bytes):
+        """Offsets of the endpoints cached inside the hash block after `parent`."""
+        return self._partials.get(parent, ())
 
     def record(self, result: LookupResult, num_tokens: int, request_id: str = "") -> None:
         """Count one admission's lookup (not every retry of a request waiting for pages)."""
@@ -157,18 +191,27 @@ class PrefixCache:
         """Cache the prefix [0, length) whose MLA rows live in `page_table` (the owner's pages),
         with an optional KDA checkpoint at `length`. Returns True when the checkpoint pages were
         adopted (False: the endpoint already had one, the caller's pages stay uncached)."""
-        key = self.key_at(tokens, hashes, length)
+        H = self.hash_block_size
+        span_start = (length - 1) // H * H
+        parent = hashes[span_start // H - 1] if span_start else ROOT_KEY
+        mla = ({i: page_table[i] for i in self.span_pages(length)} if self.layout.num_mla_layers else {})
+        return self.insert_entry(self.key_at(tokens, hashes, length), length, parent, mla, kda_pages)
+
+    def span_pages(self, length: int) -> range:
+        """Indices of the MLA pages an entry ending at `length` holds (those of its hash block's span)."""
+        H, P = self.hash_block_size, self.layout.block_size
+        return range((length - 1) // H * H // P, (length - 1) // P + 1)
+
+    def insert_entry(self, key: bytes, length: int, parent: bytes, mla: dict[int, int],
+                     kda_pages: list[list[int]] | None = None) -> bool:
+        """`insert` by key (the host tier copies entries across tiers): `mla` maps the span's page
+        indices to pages; True when the checkpoint pages were adopted."""
         entry = self.entries.get(key)
         if entry is None:
-            H, P = self.hash_block_size, self.layout.block_size
-            span_start = (length - 1) // H * H
-            parent = hashes[span_start // H - 1] if span_start else ROOT_KEY
-            mla = ({i: page_table[i] for i in range(span_start // P, (length - 1) // P + 1)}
-                   if self.layout.num_mla_layers else {})
-            entry = self.entries[key] = CacheEntry(key, length, parent, mla)
-            if length % H:
-                self._partials.setdefault(parent, Counter())[length % H] += 1
-            self._use(key, mla.values())
+            entry = self.entries[key] = CacheEntry(key, length, parent, dict(mla))
+            if length % self.hash_block_size:
+                self._partials.setdefault(parent, Counter())[length % self.hash_block_size] += 1
+            self._use(key, entry.mla_pages.values())
         if kda_pages is None or entry.kda_pages is not None:
             return False
         entry.kda_pages = kda_pages
@@ -199,6 +242,8 @@ class PrefixCache:
             if entry is None:
                 continue
             snapshot_pages = [p for snap in entry.kda_pages or () for p in snap]
+            if self.on_drop is not None:
+                self.on_drop(entry, page not in snapshot_pages)
             if entry.kda_pages is not None:
                 # one layer's snapshot is gone: the checkpoint cannot be resumed from, so every
                 # sibling snapshot is released with it (DESIGN §11)

@@ -40,6 +40,7 @@ from k3.model.cache import K3Cache, KDAInputs, KDAState, MLAState
 from k3.serve.decode_graph import capturable_experts
 from k3.serve.decode_slots import DecodeSlots
 from k3.serve.page_layout import PageLayout
+from k3.serve.page_transfer import PageTransfer
 from k3.serve.sampling import SampledToken, Sampler, SamplingParams
 from k3.serve.scheduler import ScheduledRequest, SchedulerOutput
 from k3.serve.speculative_sampling import verify, with_logprobs
@@ -84,8 +85,9 @@ class _RequestMedia:
 class ModelRunner:
     def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
                  cuda_graphs: bool = True, speculator: Speculator | None = None, vision=None,
-                 sampler: Sampler | None = None):
-        """`sampler`: the Sampler to pick tokens with (default: a `Sampler(seed)`)."""
+                 sampler: Sampler | None = None, num_host_pages: int = 0):
+        """`sampler`: the Sampler to pick tokens with (default: a `Sampler(seed)`). `num_host_pages`:
+        the prefix cache's host tier (k3/serve/page_transfer.py), 0 for none."""
         self.model = model
         # a K3ForConditionalGeneration around `model`: it encodes the images of requests that have
         # some (add_media), each once, and their rows replace the placeholders' embeddings
@@ -103,6 +105,7 @@ class ModelRunner:
         if layout.dtype != next(model.parameters()).dtype:
             raise ValueError(f"page layout dtype {layout.dtype} != model dtype {next(model.parameters()).dtype}")
         self.pool = torch.empty(num_pages, layout.page_bytes, dtype=torch.uint8, device=self.device)
+        self.transfer = PageTransfer(self.pool, num_host_pages) if num_host_pages > 0 else None
         self.sampler = Sampler(seed) if sampler is None else sampler
         L = layout
         self._state_shape = (L.kda_heads, L.kda_head_dim, L.kda_head_dim)
@@ -326,6 +329,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> StepResult:
+        if self.transfer is not None:  # before anything touches a page: write-backs read evicted ones
+            self.transfer.run(out.plan.write_back, out.plan.prefetch)
         if self.speculator is not None:
             self.speculator.forget(out.released)
         continuing = self._slots_continue(out)

@@ -6,7 +6,9 @@ position (a checkpoint can only be saved where a step ends). When a running requ
 and none are free, the most recently admitted request is preempted: its pages are released and it
 goes back to the front of the waiting queue with zero computed tokens, to be recomputed later
 (outputs are kept, so the result is the same, never wrong). Waiting requests are admitted only
-in a step without preemption, while there is budget and a slot.
+in a step without preemption, while there is budget and a slot, and, with an admission controller
+(admission.py), while the pool's projected use leaves room for them. A request whose prefix hit is
+being prefetched from the host tier (host_tier.py) waits in place; the ones behind it may go first.
 
 A vision model's prefill chunks also share an encoder budget per step (vLLM's
 `max_num_encoder_input_tokens`), counted in the placeholders of the images and video clips a
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from k3.serve.admission import AdmissionController
 from k3.serve.cache_manager import CacheManager, PagePlan
 from k3.serve.request import Request, RequestStatus, fit_model_length
 from k3.serve.sampling import SampledToken
@@ -62,7 +65,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cache: CacheManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_model_len: int = 4096, max_waiting: int = 1024, num_speculative_tokens: int = 0,
-                 max_num_encoder_tokens: int | None = None):
+                 max_num_encoder_tokens: int | None = None, admission: AdmissionController | None = None):
+        """`admission`: the auto-throttling rule (None: admit while pages and slots last)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_waiting < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
         if max_num_encoder_tokens is not None and max_num_encoder_tokens < 1:
@@ -81,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.admission = admission
         self._released: set[str] = set()  # SchedulerOutput.released of the next output
         self._retained: set[str] = set()  # stopped requests whose state the cache adopted (`take_retained`)
 
@@ -181,6 +186,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.cache.begin_step()
         budget = self.max_num_batched_tokens
         enc = [self.max_num_encoder_tokens]  # placeholders of images this step may start to encode
         i = 0
@@ -203,21 +209,53 @@ class Scheduler:
                 i += 1
                 continue
             break
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        if self.admission is not None:
+            self.admission.step(bool(out.preempted))
+        if not out.preempted:
+            self._admit(out, budget, enc)
+        self.cache.end_step(out.plan)
+        out.released, self._released = self._released, set()
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, enc: list[int]) -> None:
+        """Admit waiting requests in order while the step has budget, a slot and pages (and the
+        admission rule agrees); one whose hit is being prefetched is passed over this step."""
+        growth = 0
+        if self.admission is not None:
+            growth = sum(self.cache.pages_to_grow(r, self._projected(r)) for r in self.running)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
             hit = self.cache.lookup(request)
+            if hit.pending:
+                i += 1
+                continue
+            if hit.wait_for_room:
+                break
             request.checkpoints = self.cache.checkpoint_positions(request, hit, request.boundaries)
             n = self._chunk(request, hit.length, budget, enc, admitting=True)
-            if n == 0 or not self.cache.admit(request, hit, n, out.plan):
+            need = 0
+            if self.admission is not None:
+                need = self.cache.pages_to_admit(hit, max(hit.length + n, self._projected(request)))
+            if n == 0 or (self.admission is not None and not self.admission.admits(
+                    self.cache.pool.num_used, growth, need, len(self.running))) \
+                    or not self.cache.admit(request, hit, n, out.plan):
                 request.checkpoints = []
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._scheduled(request, n, out)
             budget -= n
-        out.released, self._released = self._released, set()
-        return out
+            if self.admission is not None:
+                self.admission.admitted += 1
+                growth += self.cache.pages_to_grow(request, self._projected(request))
+
+    def _projected(self, request: Request) -> int:
+        """Tokens the admission rule expects `request` to reach."""
+        return self.admission.projected_tokens(request.num_tokens,
+                                               request.sampling.max_tokens - len(request.output_token_ids),
+                                               self.max_model_len)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]],
                scored: dict[str, list[SampledToken]] | None = None) -> list[Request]:

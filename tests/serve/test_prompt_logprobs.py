@@ -147,7 +147,8 @@ def test_engine_scores_survive_preemption(model):
     """72 pages of 4 tokens (a request's KDA state alone takes 30): the decoding request's growth
     preempts the scoring one, mid-prompt, again and again; each recompute scores only what is left."""
     engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, max_num_batched_tokens=4,
-                                           cache_bytes=72 * engine_page_bytes(model), max_model_len=64))
+                                           cache_bytes=72 * engine_page_bytes(model), max_model_len=64,
+                                           admission="fixed"))  # preemption wanted
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(6, model.config.vocab_size, (n,), generator=g).tolist() for n in (2, 40)]
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),

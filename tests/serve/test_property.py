@@ -53,7 +53,8 @@ def test_random_mixes_leak_nothing_and_never_mutate_cached_pages(requests, num_p
     model = FakeModel()
     probe = LLMEngine(model, EngineConfig(block_size=4))
     cfg = EngineConfig(block_size=4, hash_block_size=8, cache_bytes=num_pages * probe.layout.page_bytes,
-                       max_num_batched_tokens=budget, max_num_seqs=4, enable_prefix_caching=prefix_caching)
+                       max_num_batched_tokens=budget, max_num_seqs=4, enable_prefix_caching=prefix_caching,
+                       admission="fixed")  # preemptions wanted (the auto rule avoids them)
     engine = LLMEngine(model, cfg)
     pending = sorted(enumerate(requests), key=lambda x: x[1][3])
     tokens: dict[str, list[int]] = {}

@@ -66,9 +66,11 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = MAX_TOKEN
 
 def small_engine(model, draft, k, *, prefix_caching, states, budget, batch_invariant=False):
     """A pool with the private states of `states` sequences and latent pages for one longest
-    sequence and a few more: running sequences soon outgrow it, forcing preemptions."""
+    sequence and a few more: running sequences soon outgrow it, forcing preemptions (admission "fixed":
+    the auto rule would keep them from outgrowing it)."""
     cfg = EngineConfig(block_size=4, hash_block_size=8, max_num_seqs=4, max_num_batched_tokens=budget,
-                       enable_prefix_caching=prefix_caching, num_speculative_tokens=k, batch_invariant=batch_invariant)
+                       enable_prefix_caching=prefix_caching, num_speculative_tokens=k, batch_invariant=batch_invariant,
+                       admission="fixed")
     probe = LLMEngine(model, cfg, draft=draft)
     layout = probe.layout
     pages = max(states, 2) * layout.pages_per_state + layout.mla_pages_for(40 + MAX_TOKENS) + states

@@ -34,6 +34,32 @@ class _EngineCollector:
         yield misses
         yield CounterMetricFamily("k3_preemptions", "Requests preempted (recomputed later)",
                                   value=e.scheduler.num_preemptions)
+        admission = e.scheduler.admission
+        if admission is not None:
+            yield CounterMetricFamily("k3_admissions", "Requests let into the engine (re-admissions after a "
+                                      "preemption included)", value=admission.admitted)
+            yield CounterMetricFamily("k3_admission_deferrals", "Admissions the auto rule held back for lack of "
+                                      "projected room", value=admission.deferred)
+            yield GaugeMetricFamily("k3_admission_output_ratio", "Share of remaining max_tokens the auto rule "
+                                    "reserves per request", value=admission.ratio)
+        host = e.cache.host
+        if host is not None:
+            tiers = CounterMetricFamily("k3_prefix_cache_tier_hits", "Prompt tokens served from the prefix cache, "
+                                        "by the tier their pages came from", labels=["tier"])
+            tiers.add_metric(["device"], stats.hit_tokens - host.stats.hit_tokens)
+            tiers.add_metric(["host"], host.stats.hit_tokens)
+            yield tiers
+            moved = CounterMetricFamily("k3_host_cache_bytes", "Bytes copied between the device pool and the host "
+                                        "tier", labels=["direction"])
+            for direction, n in e.runner.transfer.bytes.items():
+                moved.add_metric([direction], n)
+            yield moved
+            yield CounterMetricFamily("k3_host_cache_prefetch_seconds", "Time spent copying prefetched pages "
+                                      "to the device (on CUDA: side-stream time, overlapped with a step)",
+                                      value=e.runner.transfer.prefetch_seconds)
+            yield CounterMetricFamily("k3_host_cache_evictions", "Host-tier pages reused for newer content",
+                                      value=host.pool.num_evictions)
+            yield GaugeMetricFamily("k3_host_cache_pages", "Pages of the host tier", value=host.pool.num_pages)
         yield CounterMetricFamily("k3_pool_evictions", "Cached pages reused for new content",
                                   value=e.cache.pool.num_evictions)
         steps = CounterMetricFamily("k3_runner_steps", "Model forwards by how they ran (k3.serve.runner.STEP_KINDS)",
