@@ -25,6 +25,7 @@ COMMANDS = {
     "generate": ("k3.generation.cli", "sample from a trained run"),
     "serve": ("k3.serve.cli", "OpenAI-compatible HTTP server"),
     "chat": ("k3.serve.chat_cli", "chat with a model in the terminal"),
+    "route": ("k3.route.cli", "OpenAI-compatible front for several `k3 serve` replicas: affinity, failover"),
     "quantize": ("k3.checkpoint.quantize_cli", "convert a checkpoint to the MXFP4 packed layout"),
     "plan": ("k3.parallel.plan_cli", "size DP x EP x CP x PP layouts: memory, communication, step time"),
     "ablate": ("k3.ablate.cli", "run a small-scale ablation study of a K3 component over seeds"),

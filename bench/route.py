@@ -1,0 +1,405 @@
+"""`k3 route` in front of 3 `k3 serve` replicas of k3-tiny on loopback (CPU): the prefix-cache hit
+rate and time to first token per routing policy, failover under SIGKILL, budgeted admission.
+
+    python -m bench.route [--run RUN] [--sessions 200 --turns 3] [--sglang-python PY]
+                          [--phases policies,failover,admission]
+
+policies: the same multi-turn workload (a completion prompt that grows by the reply and a new user
+line each turn, every session a unique opening; each policy its own sessions, so no policy finds
+another's prefixes) through `k3 route --policy affinity|round_robin|random`
+and, with --sglang-python (a Python with `sglang-router` installed), through sglang-router's
+`cache_aware` and `round_robin`. Hit rate: prompt tokens served from the replicas' prefix caches over
+prompt tokens (their /metrics). failover: affinity; one replica SIGKILLed after a third of the
+turns, restarted after two thirds (chat requests, whole replies); counts failed requests, where the killed replica's sessions went,
+and whether they came back. admission: short completions alone, then under a burst of long
+prompts, with the default long budget and with it off. Without --run, a random-weight k3-tiny run
+is written to a temporary folder.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from k3.route.affinity import explicit_key
+from k3.route.policy import Policy
+from k3.route.replicas import free_port, serve_command
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "quick", "lazy", "brown", "fox", "jumps", "over", "dog", "tell",
+         "me", "about", "the", "weather", "city", "night", "light", "music", "paper", "window", "garden", "yellow",
+         "ocean", "travel", "story", "number", "simple", "table"]
+
+
+def tiny_run(folder: Path) -> Path:
+    import torch
+
+    from k3.checkpoint.official import save_pretrained
+    from k3.config import load_config
+    from k3.model.transformer import K3ForCausalLM
+    from k3.text.tokenizer import save_tokenizer, train_tokenizer
+
+    tok = train_tokenizer([" ".join(WORDS)] * 4, 300)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tok.get_vocab_size()))
+    step = folder / "checkpoints" / "step_0000001"
+    save_pretrained(model, step)
+    save_tokenizer(tok, step)
+    return folder
+
+
+def wait_up(url: str, proc: subprocess.Popen | None = None, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not up after {timeout} s")
+
+
+class Fleet:
+    def __init__(self, run: Path, n: int, serve_args: list[str]):
+        self.args = ["--run", str(run), "--log-level", "warning", *serve_args]
+        self.ports = [free_port() for _ in range(n)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.procs = [self._start(i) for i in range(n)]
+        for url, proc in zip(self.urls, self.procs):
+            wait_up(url, proc)
+
+    def _start(self, i: int) -> subprocess.Popen:
+        return subprocess.Popen(serve_command(self.args, self.ports[i], threads=1), stdout=subprocess.DEVNULL)
+
+    def kill(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+
+    def restart(self, i: int) -> None:
+        self.procs[i] = self._start(i)
+
+    def counters(self) -> tuple[float, float]:
+        hits = queries = 0.0
+        for url in self.urls:
+            try:
+                text = httpx.get(url + "/metrics", timeout=5).text
+            except httpx.HTTPError:
+                continue
+            hits += _metric(text, "k3_prefix_cache_hits_total")
+            queries += _metric(text, "k3_prefix_cache_queries_total")
+        return hits, queries
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(30)
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+class Router:
+    """`k3 route` (policy in POLICIES) or sglang-router ("sglang:POLICY") as a subprocess."""
+
+    def __init__(self, policy: str, urls: list[str], run: Path, sglang_python: str | None, extra: list[str] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        if policy.startswith("sglang:"):
+            cmd = [sglang_python, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy",
+                   policy.split(":")[1], "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
+        else:
+            cmd = [sys.executable, "-m", "k3", "--threads", "1", "route", "--replica", *urls, "--run", str(run),
+                   "--policy", policy, "--port", str(self.port), "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:  # both answer /v1/models once their workers are registered
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"router {policy} did not start")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def opening(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def chat_turn(client: httpx.AsyncClient, url: str, messages: list, max_tokens: int, stream: bool,
+                    session: str | None = None) -> dict:
+    """One request; returns ttft, the replica header, the reply text and whether it failed."""
+    body = {"model": "run", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    headers = {"x-session-id": session} if session else {}
+    t0 = time.monotonic()
+    out = {"ttft": None, "replica": None, "text": "", "failed": None}
+    try:
+        if not stream:
+            r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+            out["ttft"], out["replica"] = time.monotonic() - t0, r.headers.get("x-k3-replica")
+            if r.status_code != 200:
+                out["failed"] = f"HTTP {r.status_code}: {r.text[:200]}"
+            else:
+                m = r.json()["choices"][0]["message"]
+                out["text"] = (m.get("reasoning") or "") + (m.get("content") or "")
+            return out
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            out["replica"] = r.headers.get("x-k3-replica")
+            if r.status_code != 200:
+                out["failed"] = f"HTTP {r.status_code}: {(await r.aread())[:200]}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["failed"] = f"error chunk: {event['error']}"
+                    continue
+                for c in event.get("choices") or ():
+                    d = c.get("delta") or {}
+                    piece = (d.get("reasoning") or "") + (d.get("content") or "")
+                    if piece and out["ttft"] is None:
+                        out["ttft"] = time.monotonic() - t0
+                    out["text"] += piece
+    except httpx.HTTPError as e:
+        out["failed"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def complete_turn(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion; returns ttft (to the first non-empty text: a token that is a byte of a
+    character shows none), the replica header, the text and whether it failed."""
+    body = {"model": "run", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    out = {"ttft": None, "replica": None, "text": "", "failed": None}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            out["replica"] = r.headers.get("x-k3-replica")
+            if r.status_code != 200:
+                out["failed"] = f"HTTP {r.status_code}"
+                return out
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        out["failed"] = str(event["error"])
+                    for c in event.get("choices") or ():
+                        if c.get("text") and out["ttft"] is None:
+                            out["ttft"] = time.monotonic() - t0
+                        out["text"] += c.get("text") or ""
+    except httpx.HTTPError as e:
+        out["failed"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def sessions_workload(url: str, n: int, turns: int, concurrency: int, seed: int, max_tokens: int,
+                            stream: bool, on_turn=None, chat: bool = True, words: int = 40,
+                            explicit: bool = False) -> list[dict]:
+    """n sessions of `turns` turns each, `concurrency` sessions at a time; returns every request's result
+    with its session and turn. chat=False: the transcript grows as one completion prompt."""
+    rng = random.Random(seed)
+    openings = [opening(rng, words) for _ in range(n)]
+    results: list[dict] = []
+    sem = asyncio.Semaphore(concurrency)
+    done_turns = [0]
+
+    async def session(i: int, client: httpx.AsyncClient):
+        async with sem:
+            messages = [{"role": "user", "content": f"session {seed}-{i}: {openings[i]}"}]
+            prompt = f"session {seed}-{i}: {openings[i]}"
+            for t in range(turns):
+                if chat:
+                    res = await chat_turn(client, url, messages, max_tokens, stream,
+                                          f"s{seed}-{i}" if explicit else None)
+                else:
+                    res = await complete_turn(client, url, prompt, max_tokens)
+                results.append({**res, "session": i, "turn": t})
+                more = opening(rng, 12)
+                messages = messages + [{"role": "assistant", "content": res["text"] or "ok"},
+                                       {"role": "user", "content": more}]
+                prompt += f"{res['text']}\n{more}\n"
+                done_turns[0] += 1
+                if on_turn is not None:
+                    await on_turn(done_turns[0])
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+        await asyncio.gather(*(session(i, client) for i in range(n)))
+    return results
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def phase_policies(fleet: Fleet, run: Path, args) -> list[str]:
+    policies = ["affinity", "round_robin", "random"]
+    if args.sglang_python:
+        policies += ["sglang:cache_aware", "sglang:round_robin"]
+    lines = []
+    for k, policy in enumerate(policies):
+        router = Router(policy, fleet.urls, run, args.sglang_python)
+        h0, q0 = fleet.counters()
+        t0 = time.monotonic()
+        res = asyncio.run(sessions_workload(router.url, args.sessions, args.turns, args.concurrency, seed=100 + k,
+                                            max_tokens=args.max_tokens, stream=True, chat=False,
+                                            words=args.opening_words))
+        wall = time.monotonic() - t0
+        router.stop()
+        h1, q1 = fleet.counters()
+        ttft = [r["ttft"] for r in res if r["ttft"] is not None]
+        failed = sum(r["failed"] is not None for r in res)
+        line = (f"policy {policy:20s} hit rate {(h1 - h0) / max(q1 - q0, 1):.3f}  TTFT p50 {pct(ttft, .5) * 1e3:.0f} ms "
+                f"p99 {pct(ttft, .99) * 1e3:.0f} ms  requests {len(res)} failed {failed}  wall {wall:.0f} s")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def phase_failover(fleet: Fleet, run: Path, args) -> list[str]:
+    router = Router("affinity", fleet.urls, run, None, ["--health-interval", "0.5"])
+    total = args.failover_sessions * args.turns
+    events = {}
+
+    async def on_turn(done: int):
+        if done == total // 3 and "kill" not in events:
+            events["kill"] = time.monotonic()
+            fleet.kill(0)
+        if done == 2 * total // 3 and "restart" not in events:
+            events["restart"] = time.monotonic()
+            fleet.restart(0)
+            await asyncio.to_thread(wait_up, fleet.urls[0])
+            await asyncio.sleep(1.5)  # three health checks: the router has taken it back
+
+    res = asyncio.run(sessions_workload(router.url, args.failover_sessions, args.turns, args.concurrency, seed=7,
+                                        max_tokens=args.max_tokens, stream=False, on_turn=on_turn, explicit=True))
+    router.stop()
+    failed = [r for r in res if r["failed"]]
+    ring = Policy("affinity", fleet.urls)  # the router's ring: each session's primary, known here
+    dead = fleet.urls[0]
+    owned = {r["session"] for r in res if ring.preference(explicit_key({"x-session-id": f"s7-{r['session']}"}, {}))[0]
+             == dead}
+    moved = {(r["session"], r["replica"]) for r in res if r["session"] in owned and r["replica"] != dead}
+    spread = Counter(url for _, url in moved)
+    back = {r["session"] for r in res if r["session"] in owned and r["replica"] == dead}
+    even = sum(spread.values()) / max(len(spread), 1)
+    worst = max((abs(v - even) / even for v in spread.values()), default=float("nan"))
+    line = (f"failover: {len(res)} requests, {len(failed)} failed; of the killed replica's {len(owned)} sessions, "
+            f"those served elsewhere went to the survivors as "
+            f"{sorted(spread.values())} while it was down (worst {worst:.0%} off even); {len(back)} served by it before "
+            f"the kill or after the restart")
+    print(line, flush=True)
+    for r in failed[:5]:
+        print("  failed:", r["failed"])
+    return [line]
+
+
+async def completion(client, url, prompt, max_tokens) -> float | None:
+    """Seconds to the first streamed token's event (its text may be empty: a byte of a character);
+    None for a refused request."""
+    t0 = time.monotonic()
+    body = {"model": "run", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return None
+        first = None
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and '"choices"' in line:
+                first = time.monotonic() - t0
+        return first
+
+
+def phase_admission(fleet: Fleet, run: Path, args) -> list[str]:
+    rng = random.Random(3)
+    long_prompt = [" ".join(rng.choice(WORDS) for _ in range(args.long_words)) for _ in range(args.long_requests)]
+    lines = []
+
+    async def shorts(url):
+        async with httpx.AsyncClient(timeout=600) as client:
+            ttft = []
+            for i in range(args.short_requests):
+                ttft.append(await completion(client, url, f"{i} " + opening(rng, 8), 2))
+                await asyncio.sleep(0.05)
+            return [t for t in ttft if t is not None]
+
+    async def with_burst(url):
+        async with httpx.AsyncClient(timeout=600) as client:
+            burst = [asyncio.create_task(completion(client, url, p, 2)) for p in long_prompt]
+            await asyncio.sleep(0.2)
+            ttft = await shorts(url)
+            longs = await asyncio.gather(*burst)
+            assert all(t is not None for t in longs), "a long prompt was refused (past --max-model-len?)"
+            return ttft
+
+    for label, extra in (("budgets on", []), ("budgets off", ["--long-budget", "100000000"])):
+        router = Router("affinity", fleet.urls, run, None, extra)
+        try:
+            alone = asyncio.run(shorts(router.url))
+            burst = asyncio.run(with_burst(router.url))
+        finally:
+            router.stop()
+        line = (f"admission ({label}): short p99 TTFT alone {pct(alone, .99) * 1e3:.0f} ms, under a burst of "
+                f"{args.long_requests} long prompts {pct(burst, .99) * 1e3:.0f} ms "
+                f"(x{pct(burst, .99) / pct(alone, .99):.2f}); p50 {pct(alone, .5) * 1e3:.0f} -> {pct(burst, .5) * 1e3:.0f} ms")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", help="a k3 run to serve (default: a random-weight k3-tiny)")
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--sessions", type=int, default=200)
+    ap.add_argument("--failover-sessions", type=int, default=300)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--opening-words", type=int, default=150, help="words of each session's first prompt")
+    ap.add_argument("--short-requests", type=int, default=40)
+    ap.add_argument("--long-requests", type=int, default=12)
+    ap.add_argument("--long-words", type=int, default=560,
+                    help="words per long prompt (~1,900 tokens: near --max-model-len 2048)")
+    ap.add_argument("--serve-args", default="--max-model-len 2048", help="extra `k3 serve` options of each replica")
+    ap.add_argument("--sglang-python", help="a Python with sglang-router installed (adds its two policies)")
+    ap.add_argument("--phases", default="policies,failover,admission")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(args.run) if args.run else tiny_run(Path(tmp) / "run")
+        fleet = Fleet(run, args.replicas, args.serve_args.split())
+        lines = []
+        try:
+            for phase in args.phases.split(","):
+                lines += {"policies": phase_policies, "failover": phase_failover,
+                          "admission": phase_admission}[phase](fleet, run, args)
+        finally:
+            fleet.stop()
+    print(f"\n{os.cpu_count()} CPUs, {args.replicas} replicas x 1 thread, k3-tiny; {args.sessions} sessions x "
+          f"{args.turns} turns, {args.concurrency} at a time")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
