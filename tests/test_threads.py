@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from k3.threads import ThreadChoice, ThreadsError, cgroup_cpu_limit, choose
+from k3.threads import LoadAdapter, ThreadChoice, ThreadsError, cgroup_cpu_limit, choose
 from tests.helpers.train import REPO
 
+SPIN = "GOMP_SPINCOUNT=300000"
 PASSIVE = "OMP_WAIT_POLICY=PASSIVE"
 
 
@@ -24,25 +25,47 @@ def _clean_env(**extra) -> dict:
 
 
 @pytest.mark.parametrize("cli, env, expected", [
-    (None, {}, ThreadChoice(7, 8, "auto", PASSIVE)),
-    (None, {"LOCAL_WORLD_SIZE": "4"}, ThreadChoice(2, 8, "auto", PASSIVE)),
+    (None, {}, ThreadChoice(8, 8, "auto", SPIN, adapts=True)),
+    (None, {"LOCAL_WORLD_SIZE": "4"}, ThreadChoice(2, 8, "auto", SPIN)),
     (None, {"LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1"},
-     ThreadChoice(2, 8, "auto", PASSIVE)),
-    (None, {"OMP_NUM_THREADS": "3"}, ThreadChoice(3, 8, "OMP_NUM_THREADS", PASSIVE)),
-    (None, {"OMP_NUM_THREADS": "4,2"}, ThreadChoice(4, 8, "OMP_NUM_THREADS", PASSIVE)),
-    (None, {"OMP_NUM_THREADS": "3", "K3_NUM_THREADS": "5"}, ThreadChoice(5, 8, "K3_NUM_THREADS", PASSIVE)),
-    ("1", {"OMP_NUM_THREADS": "3", "K3_NUM_THREADS": "5"}, ThreadChoice(1, 8, "--threads", PASSIVE)),
-    (None, {"OMP_WAIT_POLICY": "active"}, ThreadChoice(7, 8, "auto", "OMP_WAIT_POLICY=active")),
-    (None, {"GOMP_SPINCOUNT": "1000"}, ThreadChoice(7, 8, "auto", "GOMP_SPINCOUNT=1000")),
-    (None, {"OMP_NUM_THREADS": "3", "K3_CHOSE_OMP_NUM_THREADS": "3"}, ThreadChoice(7, 8, "auto", PASSIVE)),
+     ThreadChoice(2, 8, "auto", SPIN)),
+    (None, {"OMP_NUM_THREADS": "3"}, ThreadChoice(3, 8, "OMP_NUM_THREADS", SPIN)),
+    (None, {"OMP_NUM_THREADS": "4,2"}, ThreadChoice(4, 8, "OMP_NUM_THREADS", SPIN)),
+    (None, {"OMP_NUM_THREADS": "3", "K3_NUM_THREADS": "5"}, ThreadChoice(5, 8, "K3_NUM_THREADS", SPIN)),
+    ("1", {"OMP_NUM_THREADS": "3", "K3_NUM_THREADS": "5"}, ThreadChoice(1, 8, "--threads", SPIN)),
+    (None, {"OMP_WAIT_POLICY": "passive"}, ThreadChoice(8, 8, "auto", "OMP_WAIT_POLICY=passive", adapts=True)),
+    (None, {"GOMP_SPINCOUNT": "1000"}, ThreadChoice(8, 8, "auto", "GOMP_SPINCOUNT=1000", adapts=True)),
+    (None, {"OMP_NUM_THREADS": "3", "K3_CHOSE_OMP_NUM_THREADS": "3"}, ThreadChoice(8, 8, "auto", SPIN, adapts=True)),
 ], ids=["auto", "torchrun-4-ranks", "torchrun-placeholder-omp", "omp", "omp-nested", "k3-over-omp", "cli-over-all", "user-wait", "user-spin",
         "k3-wrote-omp"])
 def test_choice_and_precedence(cli, env, expected):
     assert choose(cli, env, cpus=8) == expected
 
 
-def test_auto_on_one_or_two_cpus_is_one_thread():
-    assert choose(None, {}, cpus=1).threads == choose(None, {}, cpus=2).threads == 1
+def test_auto_takes_every_cpu_and_adapts_only_with_more_than_one():
+    assert choose(None, {}, cpus=1) == ThreadChoice(1, 1, "auto", SPIN)
+    assert choose(None, {}, cpus=2) == ThreadChoice(2, 2, "auto", SPIN, adapts=True)
+
+
+def test_load_adapter_leaves_other_processes_their_share():
+    """others = busy CPU seconds of the machine's (affinity) CPUs less this process's, per second."""
+    clock, samples = [0.0], []
+    adapter = LoadAdapter(2, clock=lambda: clock[0], read=lambda cpus: samples.pop(0))
+    adapter.cpus = {0, 1}
+    def tick(dt, machine, ours):
+        clock[0] += dt
+        samples.append((machine, ours))
+        return adapter.poll()
+    assert tick(0, 0.0, 0.0) == 2  # the first sample only starts the window
+    clock[0] += 0.2
+    assert adapter.poll() == 2  # before ADAPT_EVERY_S: no reading (the read would fail: nothing queued)
+    assert tick(0.4, 1.1, 1.0) == 2  # 0.1 CPU-s of others in 0.6 s: quiet
+    assert tick(1.0, 3.1, 2.0) == 1  # another process took 1 CPU
+    assert tick(1.0, 4.9, 3.0) == 1  # still busy (0.8 of a CPU)
+    assert tick(1.0, 6.9, 5.0) == 2  # it left
+    samples.append(None)
+    clock[0] += 1
+    assert adapter.poll() == 2  # no /proc: keep the count
 
 
 @pytest.mark.parametrize("cli, env, name", [
@@ -94,10 +117,10 @@ def test_k3_does_not_import_torch():
 
 def test_configure_reaches_torch_and_openmp():
     code = ("import os, json; from k3.threads import configure; c = configure(None); import torch; "
-            "print(json.dumps([torch.get_num_threads(), os.environ['OMP_WAIT_POLICY'], c.source]))")
+            "print(json.dumps([torch.get_num_threads(), os.environ['GOMP_SPINCOUNT'], c.source]))")
     out = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=120,
                          env=_clean_env(K3_NUM_THREADS="1"))
-    assert json.loads(out.stdout) == [1, "PASSIVE", "K3_NUM_THREADS"], out.stderr
+    assert json.loads(out.stdout) == [1, "300000", "K3_NUM_THREADS"], out.stderr
 
 
 def test_cli_prints_the_choice_once_and_takes_threads_anywhere():
@@ -106,7 +129,7 @@ def test_cli_prints_the_choice_once_and_takes_threads_anywhere():
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and re.fullmatch(r"k3: 1 thread \(from --threads; \d+ CPUs? available; "
-                                            r"OMP_WAIT_POLICY=PASSIVE\)", lines[0]), out.stderr
+                                            r"GOMP_SPINCOUNT=300000\)", lines[0]), out.stderr
     assert json.loads(out.stdout)["total"] > 0  # stdout stays machine-readable
     bad = subprocess.run([sys.executable, "-m", "k3", "--threads", "0", "params"], check=False, cwd=REPO, capture_output=True,
                          text=True, timeout=60, env=_clean_env())

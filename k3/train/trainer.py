@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 from torch.nn import functional as F
 
+from k3 import threads
 from k3.atomic import write_atomic, write_text_atomic
 from k3.cache_dir import resolve_cache_dir
 from k3.checkpoint import training_state as ckpt
@@ -525,6 +526,7 @@ class Trainer:
         last_ckpt = latest_checkpoint(self.run_dir / "checkpoints")
         try:
             while self.step < s.steps:
+                threads.adapt()  # yield CPU threads to other processes' load (k3/threads.py)
                 t0 = time.perf_counter()
                 record = self.train_step()
                 dt = time.perf_counter() - t0
