@@ -28,6 +28,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import KDAInputs, KDAState
+from k3.model.fusion import FusedProjection, active, unfusable
 from k3.model.norm import RMSNorm
 from k3.model.precision import KeepsFP32
 from k3.ops.conv import causal_conv1d
@@ -78,6 +79,7 @@ class KimiDeltaAttention(KeepsFP32):
         # The short conv and the output norm-gate follow the KDA op's choice: fla's kernels together,
         # or the torch paths together (a forced torch KDA path is a reference run; so are they).
         self._kernel_impl = {"auto": "auto", "fla": "fla"}.get(config.kda_impl, "torch")
+        self._fused: FusedProjection | None = None  # `fuse_input_projections`
         self.reset_parameters()
 
     @torch.no_grad()
@@ -98,10 +100,26 @@ class KimiDeltaAttention(KeepsFP32):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def forget_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, DecayGate]:
+    def input_projections(self) -> tuple[str, ...]:
+        """The Linear layers reading x, in their fused order (`fuse_input_projections`)."""
+        gate = ("g_proj",) if self.config.use_full_rank_gate else ("g_a_proj",)
+        return ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", *gate)
+
+    def fuse_input_projections(self) -> str:
+        """Run the input projections as one GEMM in forwards without autograd (k3.model.fusion);
+        returns what it did, one line. Parameter names, values and memory are unchanged."""
+        names = self.input_projections()
+        reason = unfusable([getattr(self, n) for n in names])
+        if reason is not None:
+            return f"KDA kept unfused ({reason})"
+        self._fused = FusedProjection(self, names)
+        return f"KDA {'|'.join(n.removesuffix('_proj') for n in names)} fused (1 GEMM, was {len(names)})"
+
+    def forget_gate(self, x: torch.Tensor, f_a: torch.Tensor | None = None) -> tuple[torch.Tensor, DecayGate]:
         """x [B, T, D] -> the gate's raw projections [B, T, H, K] and its parameters; the KDA op
-        activates them (`k3.ops.kda.gate`: in fla's kernels on CUDA, in fp32 torch elsewhere)."""
-        raw = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        activates them (`k3.ops.kda.gate`: in fla's kernels on CUDA, in fp32 torch elsewhere).
+        `f_a`: f_a_proj(x) when already computed (the fused projections)."""
+        raw = self.f_b_proj(self.f_a_proj(x) if f_a is None else f_a).unflatten(-1, (self.num_heads, self.head_dim))
         return raw, DecayGate(self.A_log, self.dt_bias, self.config.gate_lower_bound)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
@@ -112,7 +130,9 @@ class KimiDeltaAttention(KeepsFP32):
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if state is not None:
             self._check_state(state, N)
-        (q, k, v, g_raw, beta), tails = self.op_inputs(x, cu_seqlens, state)
+        fused = active(self._fused)
+        projs = None if fused is None else self._split_fused(fused(x))  # every projection of x in one GEMM
+        (q, k, v, g_raw, beta), tails = self.op_inputs(x, cu_seqlens, state, projs)
         # Under no_grad (decode) the state is updated in place: it keeps its address for CUDA-graph
         # replay; under autograd it is replaced, keeping the graph through it intact.
         in_place = state is not None and not torch.is_grad_enabled()
@@ -124,15 +144,24 @@ class KimiDeltaAttention(KeepsFP32):
         elif state is not None:
             state.conv = tails.to(state.conv.dtype)
             state.recurrent = final_state
-        return self.op_output(o, x)
+        return self.op_output(o, x, None if projs is None else projs[3])
+
+    def _split_fused(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fused product [B, T, 3C+H+K+G] -> views (q|k|v [B, T, 3C], b, f_a) and the output gate [B, T, C]."""
+        C, H, K = self.num_heads * self.head_dim, self.num_heads, self.head_dim
+        qkv, b, f_a, g = y.split((3 * C, H, K, y.shape[-1] - 3 * C - H - K), dim=-1)
+        return qkv, b, f_a, g if self.config.use_full_rank_gate else self.g_b_proj(g)
 
     # The three steps of forward, public so that context parallelism (k3/parallel) can run the op
     # on a segment with an initial state it computed, without a second copy of the layer's math.
-    def op_inputs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, state: KDAState | None):
-        """x [B, T, D] -> ((q, k, v, g_raw, beta) as the KDA op takes them, new conv tails or None)."""
-        (q, k, v), tails = self.short_convs(x, cu_seqlens, state)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        g_raw, _ = self.forget_gate(x)
+    def op_inputs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, state: KDAState | None,
+                  projs: tuple[torch.Tensor, ...] | None = None):
+        """x [B, T, D] -> ((q, k, v, g_raw, beta) as the KDA op takes them, new conv tails or None).
+        `projs`: the fused projections of x (`_split_fused`), else each Linear runs here."""
+        qkv, b, f_a = (None, None, None) if projs is None else projs[:3]
+        (q, k, v), tails = self.short_convs(x, cu_seqlens, state, qkv)
+        beta = torch.sigmoid((self.b_proj(x) if b is None else b).float())
+        g_raw, _ = self.forget_gate(x, f_a)
         if state is not None and state.record is not None:  # kept for a replay (DESIGN §11)
             record = state.record
             record.k, record.v, record.g_raw, record.beta = k, v, g_raw, beta
@@ -144,9 +173,11 @@ class KimiDeltaAttention(KeepsFP32):
                    chunk_size=self.config.kda_chunk_size, normalize_qk=True,
                    gate=DecayGate(self.A_log, self.dt_bias, self.config.gate_lower_bound), **kwargs)
 
-    def op_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The op's o [B, T, H, V] -> the layer's output [B, T, D]."""
-        gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+    def op_output(self, o: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """The op's o [B, T, H, V] -> the layer's output [B, T, D]. `gate`: the output gate's
+        projection of x [B, T, C] when already computed (the fused projections)."""
+        if gate is None:
+            gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         # Official order: normalize, multiply the norm weight, then the sigmoid gate, all in fp32.
         o = rms_norm_gated(o, gate.unflatten(-1, (self.num_heads, self.head_dim)), self.o_norm.weight,
                            eps=self.o_norm.eps, impl=self._kernel_impl)
@@ -164,14 +195,15 @@ class KimiDeltaAttention(KeepsFP32):
                            gate=DecayGate(self.A_log, self.dt_bias, self.config.gate_lower_bound), sequential=True)
         return KDAState(replay_tails(state.conv, inputs.conv_inputs, cu_seqlens), recurrent)
 
-    def short_convs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                    state: KDAState | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    def short_convs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, state: KDAState | None,
+                    qkv: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
         """q, k, v [B, T, H, K] = SiLU(causal conv(proj x)), and the new conv tails [N, 3C, W-1]
         when there is a state. Three convs, from which fla's conv returns each stream contiguous:
         fla's KDA kernels copy strided inputs, and one conv over the concatenated streams spent some
         6% of a 64K-token fwd+bwd on copies and concatenations. A decode step (one token per
         sequence) runs one conv instead: its cost is kernel launches, not bytes, and the single conv
-        reads and writes the state's tails in one piece."""
+        reads and writes the state's tails in one piece. `qkv`: the three projections of x side by
+        side [B, T, 3C] (a view of the fused GEMM's product; fla's conv reads such strided views)."""
         T = x.shape[1]
         H, K = self.num_heads, self.head_dim
         projs, convs = (self.q_proj, self.k_proj, self.v_proj), (self.q_conv1d, self.k_conv1d, self.v_conv1d)
@@ -180,7 +212,7 @@ class KimiDeltaAttention(KeepsFP32):
         record = None if state is None else state.record
         if state is not None and T == 1 and cu_seqlens is None:
             weight = torch.cat([c.weight for c in convs]).squeeze(1)
-            qkv_in = torch.cat([p(x) for p in projs], dim=-1)
+            qkv_in = torch.cat([p(x) for p in projs], dim=-1) if qkv is None else qkv
             if record is not None:
                 record.conv_inputs = qkv_in
             qkv, tails = conv(qkv_in, weight, initial_state=state.conv)
@@ -188,9 +220,9 @@ class KimiDeltaAttention(KeepsFP32):
         initial = (None,) * 3 if state is None else state.conv.chunk(3, dim=1)
         # the projections first, then the convs: under torch.compile, fla's ops may each break the
         # graph, and breaks next to one another leave fewer, larger graphs
-        inputs = [p(x) for p in projs]
+        inputs = [p(x) for p in projs] if qkv is None else list(qkv.chunk(3, dim=-1))
         if record is not None:
-            record.conv_inputs = torch.cat(inputs, dim=-1)
+            record.conv_inputs = torch.cat(inputs, dim=-1) if qkv is None else qkv
         outs = [conv(y, c.weight.squeeze(1), initial_state=s) for y, c, s in zip(inputs, convs, initial, strict=True)]
         tails = None if state is None else torch.cat([t for _, t in outs], dim=1)
         return tuple(y.unflatten(-1, (H, K)) for y, _ in outs), tails

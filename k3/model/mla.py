@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3.config import K3Config
 from k3.model.cache import MLAState
+from k3.model.fusion import FusedProjection, active, unfusable
 from k3.model.norm import RMSNorm
 from k3.ops import batch_invariant
 from k3.ops.varlen import seq_lengths
@@ -78,19 +79,37 @@ class GatedMLA(nn.Module):
         if config.mla_use_output_gate:
             self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        self._fused: FusedProjection | None = None  # `fuse_input_projections`
 
     # ------------------------------------------------------------------ projections
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] -> [B, T, H, N+R]"""
+    def input_projections(self) -> tuple[str, ...]:
+        """The Linear layers reading x, in their fused order (`fuse_input_projections`); q_b_proj and
+        kv_b_proj read the normalized latents, o_proj the attention output: not x."""
+        q = ("q_proj",) if self.config.q_lora_rank is None else ("q_a_proj",)
+        return (*q, "kv_a_proj_with_mqa", *(("g_proj",) if self.config.mla_use_output_gate else ()))
+
+    def fuse_input_projections(self) -> str:
+        """Run the input projections as one GEMM in forwards without autograd (k3.model.fusion);
+        returns what it did, one line. Parameter names, values and memory are unchanged."""
+        names = self.input_projections()
+        reason = unfusable([getattr(self, n) for n in names])
+        if reason is not None:
+            return f"MLA kept unfused ({reason})"
+        self._fused = FusedProjection(self, names)
+        return f"MLA {'|'.join(n.removesuffix('_proj') for n in names)} fused (1 GEMM, was {len(names)})"
+
+    def queries(self, x: torch.Tensor, q_in: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, D] -> [B, T, H, N+R]. `q_in`: q_proj(x) or q_a_proj(x) when already computed (fused)."""
         if self.config.q_lora_rank is None:
-            q = self.q_proj(x)
+            q = self.q_proj(x) if q_in is None else q_in
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x) if q_in is None else q_in))
         return q.view(*x.shape[:-1], self.num_heads, self.nope_dim + self.pe_dim)
 
-    def latents(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] -> [B, T, L+R]: the normalized latent c and the unrotated k_pe (what is cached)."""
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.pe_dim], dim=-1)
+    def latents(self, x: torch.Tensor, kv_in: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, D] -> [B, T, L+R]: the normalized latent c and the unrotated k_pe (what is cached).
+        `kv_in`: kv_a_proj_with_mqa(x) when already computed (fused)."""
+        c, k_pe = (self.kv_a_proj_with_mqa(x) if kv_in is None else kv_in).split([self.latent_dim, self.pe_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
 
     def rotate(self, q: torch.Tensor, lat: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +189,10 @@ class GatedMLA(nn.Module):
         """x [B, T, D] -> [B, T, D]. Packed rows (cu_seqlens, B == 1) never attend across documents;
         with `state`, sequence n attends to its cached latents and its new ones are appended (the
         buffer must have room: `K3Cache.reserve`, which the model's forward calls)."""
-        q, lat = self.queries(x), self.latents(x)
+        fused, projs = active(self._fused), [None] * 3
+        if fused is not None:  # one GEMM for every projection of x, split into views: q (or q_a), kv_a[, g]
+            projs[:len(fused.sizes)] = fused(x).split(fused.sizes, dim=-1)
+        q, lat = self.queries(x, projs[0]), self.latents(x, projs[1])
         if not self.config.mla_use_nope:
             q, lat = self.rotate(q, lat, self._positions(x, cu_seqlens, state))
         if state is None and cu_seqlens is None:
@@ -192,12 +214,13 @@ class GatedMLA(nn.Module):
             else:
                 o = self._extend_packed(q, lat, buffer, state.lengths, cu_seqlens)
             state.buffer = buffer
-        return self.output(o, x)
+        return self.output(o, x, projs[2])
 
-    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Attention output o [B, T, H*V] -> [B, T, D]: the sigmoid output gate, then o_proj."""
+    def output(self, o: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output o [B, T, H*V] -> [B, T, D]: the sigmoid output gate, then o_proj.
+        `gate`: g_proj(x) when already computed (fused)."""
         if self.config.mla_use_output_gate:
-            o = o * torch.sigmoid(self.g_proj(x))
+            o = o * torch.sigmoid(self.g_proj(x) if gate is None else gate)
         return self.o_proj(o)
 
     def _extend_uniform(self, q, lat, buffer, lengths):

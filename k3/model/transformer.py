@@ -16,6 +16,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.attnres import BlockSource, attn_res_read, new_attn_res_pair
 from k3.model.cache import K3Cache
+from k3.model.fusion import fuse_projections
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import StableLatentMoE
@@ -134,6 +135,11 @@ class K3ForCausalLM(Pretrained, nn.Module):
         for module in self.modules():
             if isinstance(module, (KimiDeltaAttention, StableLatentMoE)):
                 module.reset_parameters()
+
+    def fuse_projections(self) -> list[str]:
+        """For inference: each mixer's projections of its input as one GEMM in forwards without
+        autograd, names, values and memory unchanged (k3.model.fusion); one line per kind of layer."""
+        return fuse_projections(self)
 
     def forward(self, input_ids: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
                 cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,

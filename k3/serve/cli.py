@@ -55,6 +55,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each layer's norms, mixer, FFN and AttnRes reads (inductor) before "
                         "serving: shorter decode steps on CUDA once each shape has compiled (off by default: "
                         "docs/SERVING.md has what it measured)")
+    p.add_argument("--no-fuse-projections", action="store_true",
+                   help="run each input projection of a KDA or MLA layer as its own GEMM (default: one GEMM per "
+                        "layer over the concatenated weights, docs/SERVING.md)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--draft", help="a speculative draft folder (`k3 train-draft` writes RUN/draft): decode with "
                                    "speculation, verified by the model (same outputs in greedy, same distribution "
@@ -99,6 +102,7 @@ def engine_config(args) -> EngineConfig:
                         max_num_encoder_tokens=args.max_num_encoder_tokens, max_model_len=args.max_model_len,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         cuda_graphs=not args.no_cuda_graphs, compile="inductor" if args.compile else None,
+                        fuse_projections=not args.no_fuse_projections,
                         seed=args.seed, num_speculative_tokens=0 if args.draft is None
                         else args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
                         batch_invariant=args.batch_invariant, host_cache_bytes=int(args.host_cache_gb * 2**30),

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
+from k3 import threads
 from k3.model.multimodal import placeholder_count
 from k3.ops.batch_invariant import batch_invariant, check_device
 from k3.regional_compile import compile_regions
@@ -87,6 +88,9 @@ class EngineConfig:
     # torch.compile backend for each layer's norms, mixer, FFN and AttnRes reads (k3.regional_compile),
     # or None; "inductor" fuses the small kernels of a decode step (the first steps of each shape compile)
     compile: str | None = None
+    # each mixer's projections of its input as one GEMM (k3.model.fusion): fewer launches per step,
+    # parameters and memory unchanged; applied before compile and CUDA-graph capture
+    fuse_projections: bool = True
     seed: int | None = None
     # speculative decoding with a draft (LLMEngine's `draft`): tokens drafted per sequence and step
     num_speculative_tokens: int = 0
@@ -178,6 +182,9 @@ class LLMEngine:
             check_device(next(model.parameters()).device)
             if config.compile:  # compiled kernels bypass the op-level mode
                 raise ValueError("batch_invariant and compile exclude each other")
+        fuse = getattr(model, "fuse_projections", None)  # a K3ForCausalLM's; test stand-ins have none
+        if config.fuse_projections and fuse is not None:  # before compile and capture, which trace the fused GEMMs
+            log.info("fused input projections: %s", "; ".join(fuse()) or "none")
         if config.compile:
             compile_regions(model, backend=config.compile)
         dtype = next(model.parameters()).dtype
@@ -303,6 +310,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished or bool(self._aborts)
 
     def step(self) -> list[RequestOutput]:
+        threads.adapt()  # yield CPU threads to other processes' load (k3/threads.py)
         try:
             return self._step()
         finally:
