@@ -11,9 +11,10 @@ and, with --sglang-python (a Python with `sglang-router` installed), through sgl
 `cache_aware` and `round_robin`. Hit rate: prompt tokens served from the replicas' prefix caches over
 prompt tokens (their /metrics). failover: affinity; one replica SIGKILLed after a third of the
 turns, restarted after two thirds (chat requests, whole replies); counts failed requests, where the killed replica's sessions went,
-and whether they came back. admission: short completions alone, then under a burst of long
-prompts, with the default long budget and with it off. Without --run, a random-weight k3-tiny run
-is written to a temporary folder.
+and whether they came back. admission: its own replicas of `--max-num-seqs 4`; short completions
+arriving every 0.1 s alone, under a burst of 36 maximum-length prompts (3x the fleet's seats) with
+the router's admission rules off, and with them on, in interleaved rounds, every prompt unique.
+Without --run, a random-weight k3-tiny run is written to a temporary folder.
 """
 from __future__ import annotations
 
@@ -331,38 +332,67 @@ async def completion(client, url, prompt, max_tokens) -> float | None:
         return first
 
 
-def phase_admission(fleet: Fleet, run: Path, args) -> list[str]:
-    rng = random.Random(3)
-    long_prompt = [" ".join(rng.choice(WORDS) for _ in range(args.long_words)) for _ in range(args.long_requests)]
-    lines = []
-
-    async def shorts(url):
-        async with httpx.AsyncClient(timeout=600) as client:
-            ttft = []
-            for i in range(args.short_requests):
-                ttft.append(await completion(client, url, f"{i} " + opening(rng, 8), 2))
-                await asyncio.sleep(0.05)
-            return [t for t in ttft if t is not None]
-
-    async def with_burst(url):
-        async with httpx.AsyncClient(timeout=600) as client:
-            burst = [asyncio.create_task(completion(client, url, p, 2)) for p in long_prompt]
+async def admission_run(url: str, args, seed: int, burst: bool) -> dict:
+    """Short completions arriving every --short-interval s, alone or from 0.2 s into a burst of
+    --long-requests maximum-length prompts sent at once; every prompt unique (no prefix hits)."""
+    rng = random.Random(seed)
+    longs = [f"{seed}-{i} " + opening(rng, args.long_words) for i in range(args.long_requests if burst else 0)]
+    shorts = [f"{seed}-{i} " + opening(rng, 8) for i in range(args.short_requests)]
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+        t0 = time.monotonic()
+        burst_tasks = [asyncio.create_task(completion(client, url, p, args.long_max_tokens)) for p in longs]
+        if longs:
             await asyncio.sleep(0.2)
-            ttft = await shorts(url)
-            longs = await asyncio.gather(*burst)
-            assert all(t is not None for t in longs), "a long prompt was refused (past --max-model-len?)"
-            return ttft
+        short_tasks = []
+        for p in shorts:
+            short_tasks.append(asyncio.create_task(completion(client, url, p, 2)))
+            await asyncio.sleep(args.short_interval)
+        ttft = await asyncio.gather(*short_tasks)
+        shorts_end = time.monotonic() - t0
+        long_ttft = await asyncio.gather(*burst_tasks)
+        burst_end = time.monotonic() - t0
+    assert all(t is not None for t in ttft + long_ttft), "a request was refused (past --max-model-len?)"
+    return {"short": ttft, "long": long_ttft, "shorts_end": shorts_end, "burst_end": burst_end if longs else 0.0}
 
-    for label, extra in (("budgets on", []), ("budgets off", ["--long-budget", "100000000"])):
-        router = Router("affinity", fleet.urls, run, None, extra)
-        try:
-            alone = asyncio.run(shorts(router.url))
-            burst = asyncio.run(with_burst(router.url))
-        finally:
+
+OFF = ["--long-budget", "100000000", "--long-prefills", "100000000", "--short-replicas", "0"]  # no admission
+
+
+def phase_admission(_: Fleet | None, run: Path, args) -> list[str]:
+    """Replicas of --max-num-seqs 4 (--admission-serve-args): the burst holds several times the
+    fleet's seats. Rounds interleave the three cases so that the load of the moment hits each."""
+    fleet = Fleet(run, args.replicas, args.serve_args.split() + args.admission_serve_args.split())
+    routers = {"on": Router("affinity", fleet.urls, run, None, args.admission_router_args.split()),
+               "off": Router("affinity", fleet.urls, run, None, OFF)}
+    cases = [("alone", "on", False), ("burst, budgets off", "off", True), ("burst, budgets on", "on", True)]
+    got: dict[str, list[dict]] = {name: [] for name, _, _ in cases}
+    try:
+        # the replicas' first calls of each shape are slow (hundreds of ms): a short round, not measured
+        warm = argparse.Namespace(**{**vars(args), "long_requests": 12, "short_requests": 20})
+        asyncio.run(admission_run(routers["on"].url, warm, -1, True))
+        for r in range(args.rounds):
+            for k in range(len(cases)):
+                name, router, burst = cases[(k + r) % len(cases)]
+                res = asyncio.run(admission_run(routers[router].url, args, 1000 * r + 10 * k, burst))
+                got[name].append(res)
+                print(f"  round {r} {name:20s} short p50 {pct(res['short'], .5) * 1e3:5.0f} p99 "
+                      f"{pct(res['short'], .99) * 1e3:5.0f} ms; shorts done {res['shorts_end']:.1f} s, "
+                      f"burst done {res['burst_end']:.1f} s", flush=True)
+    finally:
+        for router in routers.values():
             router.stop()
-        line = (f"admission ({label}): short p99 TTFT alone {pct(alone, .99) * 1e3:.0f} ms, under a burst of "
-                f"{args.long_requests} long prompts {pct(burst, .99) * 1e3:.0f} ms "
-                f"(x{pct(burst, .99) / pct(alone, .99):.2f}); p50 {pct(alone, .5) * 1e3:.0f} -> {pct(burst, .5) * 1e3:.0f} ms")
+        fleet.stop()
+    base = pct([t for res in got["alone"] for t in res["short"]], .99)
+    lines = []
+    for name, _, burst in cases:
+        short = [t for res in got[name] for t in res["short"]]
+        rounds = " ".join(f"{pct(res['short'], .99) * 1e3:.0f}" for res in got[name])
+        line = (f"admission {name:20s}: short TTFT p50 {pct(short, .5) * 1e3:.0f} ms p99 {pct(short, .99) * 1e3:.0f} ms "
+                f"(x{pct(short, .99) / base:.2f} of alone; per round p99 {rounds} ms)")
+        if burst:
+            longs = [t for res in got[name] for t in res["long"]]
+            line += (f"; long TTFT p50 {pct(longs, .5):.1f} s p99 {pct(longs, .99):.1f} s, burst done in "
+                     f"{sum(res['burst_end'] for res in got[name]) / len(got[name]):.1f} s")
         print(line, flush=True)
         lines.append(line)
     return lines
@@ -378,8 +408,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--opening-words", type=int, default=150, help="words of each session's first prompt")
-    ap.add_argument("--short-requests", type=int, default=40)
-    ap.add_argument("--long-requests", type=int, default=12)
+    ap.add_argument("--short-requests", type=int, default=40, help="admission: short completions per run")
+    ap.add_argument("--short-interval", type=float, default=0.1, help="admission: seconds between short arrivals")
+    ap.add_argument("--long-requests", type=int, default=36,
+                    help="admission: long prompts per burst (3x the seats of 3 replicas of --max-num-seqs 4)")
+    ap.add_argument("--long-max-tokens", type=int, default=8, help="admission: tokens each long prompt generates")
+    ap.add_argument("--rounds", type=int, default=3, help="admission: rounds of the three cases, interleaved")
+    ap.add_argument("--admission-serve-args", default="--max-num-seqs 4",
+                    help="admission: more `k3 serve` options of its own fleet")
+    ap.add_argument("--admission-router-args", default="--short-replicas 2",
+                    help="admission: `k3 route` options of the budgets-on router (default: one replica prefills "
+                         "long prompts, the other two are free for short ones: the 3 replicas share 2 cores)")
     ap.add_argument("--long-words", type=int, default=560,
                     help="words per long prompt (~1,900 tokens: near --max-model-len 2048)")
     ap.add_argument("--serve-args", default="--max-model-len 2048", help="extra `k3 serve` options of each replica")
@@ -388,14 +427,17 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(args.run) if args.run else tiny_run(Path(tmp) / "run")
-        fleet = Fleet(run, args.replicas, args.serve_args.split())
+        phases = args.phases.split(",")
+        # the admission phase starts its own fleet
+        fleet = Fleet(run, args.replicas, args.serve_args.split()) if set(phases) - {"admission"} else None
         lines = []
         try:
-            for phase in args.phases.split(","):
+            for phase in phases:
                 lines += {"policies": phase_policies, "failover": phase_failover,
                           "admission": phase_admission}[phase](fleet, run, args)
         finally:
-            fleet.stop()
+            if fleet is not None:
+                fleet.stop()
     print(f"\n{os.cpu_count()} CPUs, {args.replicas} replicas x 1 thread, k3-tiny; {args.sessions} sessions x "
           f"{args.turns} turns, {args.concurrency} at a time")
     print("\n".join(lines))

@@ -1,7 +1,7 @@
 """A request's session key: what the hash ring places (K3 report §7.4).
 
 In order: the `X-Session-ID` header, else the body's `user` field, else the prompt's own prefix: the
-engine's prefix-cache key (k3.serve.prefix_cache.chain_hash, DESIGN §11) of the session's opening.
+engine's prefix-cache key (k3.serve.block_hash.chain_hash, DESIGN §11) of the session's opening.
 For a chat the opening is the messages up to the first user message, rendered as the replica renders
 them, keyed whole: it is the same on every later turn of the session, so each turn follows the first
 to the replica holding its prefix, and sessions that share only a system prompt still spread. For a
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from tokenizers import Tokenizer
 
-from k3.serve.prefix_cache import ROOT_KEY, chain_hash, extend_block_hashes
+from k3.serve.block_hash import ROOT_KEY, chain_hash, extend_block_hashes
 from k3.text.tokenizer import encode_text
 from k3.text.xtml import XTML
 

@@ -24,14 +24,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.route.admission import Admission, AdmissionTimeout, ReplicaGone
+from k3.route.admission import Admission, AdmissionTimeout, Grant, ReplicaGone
 from k3.route.affinity import PromptKeys, SessionKeyError, explicit_key
 from k3.route.metrics import RouteMetrics
 from k3.route.policy import Policy
 from k3.route.replicas import ReplicaSet
 from k3.route.resume import Diverged, Transcript
+from k3.serve.api.errors import APIError
 from k3.serve.api.gate import DEFAULT_MAX_REQUEST_BYTES, RequestGate
-from k3.serve.api.protocol import APIError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class Router:
     def __post_init__(self):
         self.metrics = RouteMetrics(self.replicas, self.admission)
         self.replicas.on_down = self.admission.drop
+        self.admission.alive = lambda: len(self.replicas.alive())
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -63,14 +64,16 @@ def _sse(obj) -> str:
 
 
 class Trip:
-    """One client request's way through the replicas: its order of preference, the admission slot
+    """One client request's way through the replicas: its order of preference, the admission grant
     and the open reply of the replica serving it now."""
 
     def __init__(self, router: Router, path: str, body: bytes, tokens: int, order: list[str]):
-        self.router, self.path, self.body, self.tokens, self.order = router, path, body, tokens, order
+        self.router, self.path, self.body, self.tokens = router, path, body, tokens
+        self.order = router.admission.order(router.admission.classify(tokens), order)
         self.tried: set[str] = set()
         self.held = AsyncExitStack()
         self.url: str | None = None
+        self.grant: Grant | None = None
         self.waited = 0.0
 
     def fail(self, reason: str, why: str) -> None:
@@ -99,7 +102,8 @@ class Trip:
             self.tried.add(self.url)
             held = AsyncExitStack()
             try:
-                self.waited += await held.enter_async_context(r.admission.slot(self.url, self.tokens))
+                self.grant = await held.enter_async_context(r.admission.slot(self.url, self.tokens))
+                self.waited += self.grant.waited
             except ReplicaGone:
                 r.metrics.failovers.labels("waiting").inc()
                 continue
@@ -122,6 +126,16 @@ class Trip:
             self.held = held
             r.metrics.responses.labels(self.url, str(reply.status_code)).inc()
             return reply
+
+
+def _generated(data: str) -> bool:
+    """An event that carries generated output (not a chat stream's opening role chunk, which comes
+    before the prefill): the replica has the prompt's prefill done."""
+    try:
+        choices = json.loads(data).get("choices")
+    except (ValueError, AttributeError):
+        return True
+    return not any(isinstance(c, dict) and "role" in (c.get("delta") or {}) for c in choices or ())
 
 
 def _headers(reply: httpx.Response, url: str) -> dict:
@@ -162,6 +176,8 @@ async def _stream(trip: Trip, cls: str, t0: float) -> Response:
                         if not line.startswith("data: "):
                             continue
                         data = line[len("data: "):]
+                        if trip.grant.prefilling and _generated(data):
+                            trip.grant.prefilled()
                         if data == "[DONE]":
                             yield "data: [DONE]\n\n"
                             return

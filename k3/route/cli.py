@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of short requests in flight per replica (default %(default)s)")
     p.add_argument("--long-budget", type=int, default=b.long,
                    help="prompt tokens of long requests in flight per replica (default %(default)s)")
+    p.add_argument("--long-prefills", type=int, default=b.long_prefills,
+                   help="long prompts in prefill at once per replica (default %(default)s)")
+    p.add_argument("--short-replicas", type=int, default=b.short_replicas,
+                   help="replicas kept free of long prompts' prefill for short requests (default %(default)s)")
     p.add_argument("--admission-timeout", type=float, default=b.timeout,
                    help="seconds a request may wait for its budget, then HTTP 429 (default %(default)s)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
@@ -75,7 +79,7 @@ def _fail(message) -> int:
 
 def _tokenizer(args):
     """The tokenizer that keys prompts, or None."""
-    from k3.serve.loading import checkpoint_folder, tokenizer_path
+    from k3.serve.model_source import checkpoint_folder, tokenizer_path
     from k3.text.tokenizer import load_tokenizer
 
     if args.tokenizer is None and args.run is None and args.model is None:
@@ -108,8 +112,13 @@ def _spawn_commands(args) -> dict[str, list[str]]:
     return commands
 
 
+def _budgets(args) -> Budgets:
+    return Budgets(args.long_prompt_tokens, args.short_budget, args.long_budget, args.admission_timeout,
+                   args.short_replicas, args.long_prefills)
+
+
 def _check(args) -> None:
-    Budgets(args.long_prompt_tokens, args.short_budget, args.long_budget, args.admission_timeout)
+    _budgets(args)
     for name in ("spawn", "replica_threads", "max_request_bytes", "hash_block_size", "affinity_blocks", "vnodes"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -183,8 +192,7 @@ def run(args) -> int:
                 logging.getLogger("k3.route").warning("replica %s is down for now (%s): checked every %g s",
                                                       url, r.last_error, args.health_interval)
         replicas.client = client()  # the first one belonged to the checks' event loop
-        budgets = Budgets(args.long_prompt_tokens, args.short_budget, args.long_budget, args.admission_timeout)
-        router = Router(replicas, Policy(args.policy, urls, args.vnodes), Admission(budgets), keys, replicas.client,
+        router = Router(replicas, Policy(args.policy, urls, args.vnodes), Admission(_budgets(args)), keys, replicas.client,
                         headers, args.health_interval)
         app = build_app(router, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
         if args.host not in ("127.0.0.1", "localhost", "::1"):

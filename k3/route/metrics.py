@@ -26,10 +26,15 @@ class _FleetCollector:
             restarts.add_metric([url], r.restarts)
             for cls in (SHORT, LONG):
                 inflight.add_metric([url, cls], self.admission.used.get((url, cls), 0))
+        prefilling = GaugeMetricFamily("k3_route_prefilling", "Requests sent and not yet at their first token, by "
+                                       "replica and admission class", labels=["replica", "class"])
+        for url, r in self.replicas.replicas.items():
+            for cls in (SHORT, LONG):
+                prefilling.add_metric([url, cls], self.admission.prefilling.get((url, cls), 0))
         waiting = GaugeMetricFamily("k3_route_waiting", "Requests waiting for their admission budget", labels=["class"])
         for cls in (SHORT, LONG):
             waiting.add_metric([cls], self.admission.waiting(cls))
-        yield from (up, restarts, inflight, waiting)
+        yield from (up, restarts, inflight, prefilling, waiting)
 
 
 class RouteMetrics:

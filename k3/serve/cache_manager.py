@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3.serve.block_hash import extend_block_hashes
 from k3.serve.block_pool import BlockPool
 from k3.serve.host_tier import HostTier
 from k3.serve.page_layout import PageLayout
-from k3.serve.prefix_cache import LookupResult, PrefixCache, extend_block_hashes
+from k3.serve.prefix_cache import LookupResult, PrefixCache
 from k3.serve.request import Request
 
 

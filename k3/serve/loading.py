@@ -18,31 +18,15 @@ from tokenizers import Tokenizer
 
 from k3.checkpoint.multimodal import is_multimodal_checkpoint, load_pretrained_multimodal
 from k3.checkpoint.pretrained import load_pretrained
-from k3.checkpoint.run_folder import resolve_checkpoint
 from k3.model.multimodal import MEDIA_PLACEHOLDER_TOKEN_ID
+from k3.serve.model_source import checkpoint_folder, tokenizer_path
 from k3.text.generation_config import GenerationDefaults
 from k3.text.model_folder import load_folder_text
-from k3.text.tiktoken_folder import TIKTOKEN_FILE
-from k3.text.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILE
+from k3.text.tokenizer import SPECIAL_TOKENS
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def checkpoint_folder(run: str | None, model: str | None) -> Path:
-    if (run is None) == (model is None):
-        raise ValueError("give exactly one of --run DIR (a `k3 train` run) or --model DIR (an HF-layout checkpoint)")
-    return resolve_checkpoint(run if model is None else model)  # either takes a checkpoint or a run folder
-
-
-def tokenizer_path(folder: Path, tokenizer: str | None) -> Path:
-    """The tokenizer's source: --tokenizer (a file or a folder), else the checkpoint folder, which
-    holds a tokenizer.json or a release's tiktoken.model."""
-    path = Path(tokenizer) if tokenizer else folder
-    if not path.exists() or path.is_dir() and not ((path / TOKENIZER_FILE).is_file() or (path / TIKTOKEN_FILE).is_file()):
-        raise FileNotFoundError(f"no {TOKENIZER_FILE} or {TIKTOKEN_FILE} in {path}; pass --tokenizer PATH")
-    return path / TOKENIZER_FILE if path.is_dir() and (path / TOKENIZER_FILE).is_file() else path
 
 
 def is_chat_tuned(tokenizer_file: Path) -> bool:

@@ -15,39 +15,21 @@ endpoint inside it whose KDA checkpoint is complete; a hybrid model cannot resum
 Entries hold no references: like vLLM, cached pages sit in the pool's free queue until handed out
 again, and that hand-out evicts them here. Losing any page of a KDA checkpoint drops the whole
 checkpoint (its sibling snapshots become plain free pages); losing an MLA page drops the entry.
-With a host tier (host_tier.py) what is dropped is first handed to `on_drop` (written back), and the
+Keys: block_hash.py. With a host tier (host_tier.py) what is dropped is first handed to `on_drop` (written back), and the
 same walk runs over both tiers (`walk`).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from k3.serve.block_hash import ROOT_KEY, chain_hash
 from k3.serve.block_pool import BlockPool
 from k3.serve.page_layout import PageLayout
 
 log = logging.getLogger(__name__)
-
-ROOT_KEY = b"k3-prefix-cache-root"
-
-
-def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """128-bit BLAKE2b of the parent key and the token ids (collisions would serve wrong text)."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
-
-
-def extend_block_hashes(hashes: list[bytes], tokens: Sequence[int], hash_block_size: int) -> list[bytes]:
-    """Append the keys of the full hash blocks of `tokens` not hashed yet; returns `hashes`."""
-    for k in range(len(hashes), len(tokens) // hash_block_size):
-        parent = hashes[k - 1] if k else ROOT_KEY
-        hashes.append(chain_hash(parent, tokens[k * hash_block_size:(k + 1) * hash_block_size]))
-    return hashes
 
 
 def walk(tokens: Sequence[int], hashes: list[bytes], limit: int, hash_block_size: int, find, offsets):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k3.route.affinity import PromptKeys, SessionKeyError, explicit_key, prefix_key
-from k3.serve.prefix_cache import ROOT_KEY, chain_hash, extend_block_hashes
+from k3.serve.block_hash import ROOT_KEY, chain_hash, extend_block_hashes
 from k3.text.tokenizer import train_tokenizer
 
 

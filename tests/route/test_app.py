@@ -129,3 +129,20 @@ def test_bad_bodies_are_clear_4xx(fleet):
     assert CLIENT.post(fleet.url + "/v1/completions", json=[1]).status_code == 400
     assert CLIENT.get(fleet.url + "/v1/nothing").json()["error"]["message"] == "Not Found"
     assert not any(b.requests for b in fleet.behaviours)  # none of them reached a replica
+
+
+def test_a_long_streams_prefill_ends_at_its_first_token_and_its_budget_at_a_hang_up(fleet):
+    adm = fleet.router.admission
+    for b in fleet.behaviours:
+        b.delay = 0.2  # each character: time to look before the first one
+    body = {"model": "m", "prompt": "x" * 1100, "stream": True}  # 1,100 bytes: long (the fakes have no tokenizer)
+    with CLIENT.stream("POST", fleet.url + "/v1/completions", json=body) as r:
+        url = r.headers["x-k3-replica"]
+        assert adm.prefilling[(url, "long")] == 1 and adm.order("short", [url])[-1] == url  # short ones steer clear
+        assert f'k3_route_prefilling{{class="long",replica="{url}"}} 1.0' in CLIENT.get(fleet.url + "/metrics").text
+        next(r.iter_lines())
+        assert adm.prefilling[(url, "long")] == 0 and adm.used[(url, "long")] == 1100  # prefilled, in flight
+    deadline = time.monotonic() + 5
+    while adm.used[(url, "long")]:  # the client hung up mid-stream: the budget comes back
+        assert time.monotonic() < deadline, "a hung-up stream kept its admission budget"
+        time.sleep(0.01)

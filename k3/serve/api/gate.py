@@ -17,7 +17,7 @@ import hmac
 
 from fastapi.responses import JSONResponse
 
-from k3.serve.api.protocol import APIError
+from k3.serve.api.errors import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # far above any prompt that fits a model length, far below memory
 # readable without the API key: probes, scrapers and the published schema

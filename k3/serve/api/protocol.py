@@ -1,4 +1,4 @@
-"""OpenAI-compatible request models (pydantic) and the error shape.
+"""OpenAI-compatible request models (pydantic) and the error shape (APIError: errors.py).
 
 Validation happens here so bad input is a 400 with OpenAI's error JSON
 `{"error": {"message", "type", "param", "code"}}`, never a 5xx. Fields we accept but cannot
@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from k3.sampling import MAX_TEMPERATURE
+from k3.serve.api.errors import APIError  # noqa: F401 (the error shape's home; re-exported)
 from k3.serve.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from k3.text.tool_schema import compile_parameters
 from k3.text.xtml import REASONING_EFFORT
@@ -62,17 +63,6 @@ def check_json_value(value: Any, where: str = "") -> None:
                     _check_text(item, _join(path, k))
             elif isinstance(item, (dict, list)):
                 stack.append((item, _join(path, k), depth + 1))
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class ErrorDetail(BaseModel):
