@@ -9,8 +9,8 @@ one busy competing process (`python -c "while True: pass"`); the same for one gr
 loopback port), timed as an HTTP client sees it. Training runs and the server are `k3`
 subprocesses, so they pick their threads exactly as `k3` does (pass `--threads` to try another
 count; `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` in the environment reach them too). Training time is
-the mean of the steps after the first (which warms up allocators); the replies follow one short
-warm-up reply. The table comes last: quiet, contended, their ratio, and
+the mean of the steps after the first (which warms up allocators); a reply time is the median of
+three, after one short warm-up reply. The table comes last: quiet, contended, their ratio, and
 whether the ratio is within the bar (<= 2x). `--sweep` measures quiet and contended for each setting
 of SWEEP (thread counts x OpenMP wait policies, through the environment), then k3's default, and
 prints how far the default's quiet time is from the fastest setting (bar: within 10%).
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,7 +137,7 @@ def measure(args, tmp: Path, threads: str | None, policy: dict | None, name: str
     server = Server(run, threads, policy)  # serves this setting's first training run
     try:
         server.reply_seconds(8)  # warm-up
-        reply = _measure(lambda: server.reply_seconds(args.reply_tokens))
+        reply = _measure(lambda: statistics.median(server.reply_seconds(args.reply_tokens) for _ in range(3)))
     finally:
         server.close()
     return train, reply

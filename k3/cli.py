@@ -13,7 +13,7 @@ import os
 import sys
 
 import k3
-from k3.threads import ThreadsError, configure
+from k3.threads import SERVING_VERBS, ThreadsError, configure
 
 COMMANDS = {
     "params": ("k3.params_cli", "count parameters of a config (total / activated per token)"),
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if rest[0] not in COMMANDS:
         parser.error(f"unknown command {rest[0]!r}; choose from {', '.join(COMMANDS)}")
     try:
-        choice = configure(threads)  # before the verb's module imports torch
+        choice = configure(threads, serving=rest[0] in SERVING_VERBS)  # before the verb's module imports torch
     except ThreadsError as e:
         print(f"k3 {rest[0]}: error: {e}", file=sys.stderr)
         sys.exit(2)

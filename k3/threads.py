@@ -33,7 +33,8 @@ WRITTEN_MARK = "K3_CHOSE_OMP_NUM_THREADS"
 
 SPIN_COUNT = "300000"  # libgomp's own default spin (~0.1 ms): idle gaps inside a step stay hot
 ADAPT_EVERY_S = 0.5  # how often adapt() re-reads the load: a step of k3-tiny takes ~1 s
-OTHERS_SLACK = 0.25  # CPUs of other processes' use that still count as a quiet machine
+OTHERS_SLACK = 0.5  # CPUs of other processes' use that still count as a quiet machine (noise, a shell)
+SERVING_VERBS = ("serve", "chat")  # their event loop needs a core of its own beside the engine's threads
 
 
 class ThreadsError(ValueError):
@@ -135,8 +136,12 @@ def _torchrun_default(environ) -> bool:
             and int(environ.get("LOCAL_WORLD_SIZE") or 1) > 1)
 
 
-def choose(cli_threads: int | str | None = None, environ=None, cpus: int | None = None) -> ThreadChoice:
-    """The thread count and wait policy for this process, without changing anything."""
+def choose(cli_threads: int | str | None = None, environ=None, cpus: int | None = None,
+           serving: bool = False) -> ThreadChoice:
+    """The thread count and wait policy for this process, without changing anything. `serving`: a
+    server's event loop (HTTP, detokenizing) runs beside the engine, so the engine leaves it a CPU
+    (bench/cpu_contention.py --sweep on 2 CPUs: 256-token replies 2.4 s at one thread, 2.7-3.6 s
+    at two)."""
     environ = os.environ if environ is None else environ
     cpus = available_cpus() if cpus is None else cpus
     if cli_threads is not None:
@@ -149,7 +154,7 @@ def choose(cli_threads: int | str | None = None, environ=None, cpus: int | None 
     else:
         local_ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1))
         # every CPU (adapt() yields to other processes); ranks of one torchrun job on one host share them
-        threads = cpus if local_ranks == 1 else max(1, cpus // local_ranks)
+        threads = (cpus - serving if cpus > 1 else 1) if local_ranks == 1 else max(1, cpus // local_ranks)
         source = "auto"
     if environ.get("OMP_WAIT_POLICY"):
         wait = f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']}"
@@ -162,11 +167,11 @@ def choose(cli_threads: int | str | None = None, environ=None, cpus: int | None 
     return ThreadChoice(threads=threads, cpus=cpus, source=source, wait_policy=wait, adapts=adapts)
 
 
-def configure(cli_threads: int | str | None = None, environ=None) -> ThreadChoice:
+def configure(cli_threads: int | str | None = None, environ=None, serving: bool = False) -> ThreadChoice:
     """Choose, then put the choice in the environment (read when torch loads) and, if torch is
     already loaded (a test, a notebook), into torch directly. Returns the choice."""
     environ = os.environ if environ is None else environ
-    choice = choose(cli_threads, environ)
+    choice = choose(cli_threads, environ, serving=serving)
     environ["OMP_NUM_THREADS"] = environ[WRITTEN_MARK] = str(choice.threads)
     if choice.wait_policy == f"GOMP_SPINCOUNT={SPIN_COUNT}":
         environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)

@@ -45,6 +45,8 @@ def test_choice_and_precedence(cli, env, expected):
 def test_auto_takes_every_cpu_and_adapts_only_with_more_than_one():
     assert choose(None, {}, cpus=1) == ThreadChoice(1, 1, "auto", SPIN)
     assert choose(None, {}, cpus=2) == ThreadChoice(2, 2, "auto", SPIN, adapts=True)
+    assert choose(None, {}, cpus=2, serving=True) == ThreadChoice(1, 2, "auto", SPIN)  # the event loop's CPU
+    assert choose(None, {}, cpus=8, serving=True) == ThreadChoice(7, 8, "auto", SPIN, adapts=True)
 
 
 def test_load_adapter_leaves_other_processes_their_share():
@@ -59,9 +61,9 @@ def test_load_adapter_leaves_other_processes_their_share():
     assert tick(0, 0.0, 0.0) == 2  # the first sample only starts the window
     clock[0] += 0.2
     assert adapter.poll() == 2  # before ADAPT_EVERY_S: no reading (the read would fail: nothing queued)
-    assert tick(0.4, 1.1, 1.0) == 2  # 0.1 CPU-s of others in 0.6 s: quiet
+    assert tick(0.4, 1.25, 1.0) == 2  # 0.25 CPU-s of others in 0.6 s: quiet
     assert tick(1.0, 3.1, 2.0) == 1  # another process took 1 CPU
-    assert tick(1.0, 4.9, 3.0) == 1  # still busy (0.8 of a CPU)
+    assert tick(1.0, 4.7, 3.0) == 1  # still busy (0.7 of a CPU)
     assert tick(1.0, 6.9, 5.0) == 2  # it left
     samples.append(None)
     clock[0] += 1
