@@ -21,41 +21,25 @@ import time
 from pathlib import Path
 
 from k3.envs.errors import SandboxError
+from k3.envs.limits import control_counter, read_control, write_control
 
 NEEDED = ("memory", "pids")  # without these, no v2 limits; cpu (for cpu.max) is used when offered
 MOUNTINFO, PROC_CGROUP = Path("/proc/self/mountinfo"), Path("/proc/self/cgroup")
 
 
-def _read(path: Path) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _write(path: Path, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
-
-
-def _key(text: str, key: str) -> int:
-    """A counter from a `key value` per line file (cpu.stat, memory.events, pids.events)."""
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == key:
-            return int(value)
-    return 0
 
 
 def own_cgroup(mountinfo: Path = MOUNTINFO, proc_cgroup: Path = PROC_CGROUP) -> Path | None:
     """This process's directory in the v2 hierarchy, if one is mounted."""
     mount = None
-    for line in _read(mountinfo).splitlines():
+    for line in read_control(mountinfo).splitlines():
         left, _, right = line.partition(" - ")
         if right.split(" ", 1)[0] == "cgroup2":
             mount = Path(left.split()[4])
             break
     if mount is None:
         return None
-    for line in _read(proc_cgroup).splitlines():
+    for line in read_control(proc_cgroup).splitlines():
         if line.startswith("0::"):
             return mount / line[3:].lstrip("/")
     return None
@@ -64,14 +48,14 @@ def own_cgroup(mountinfo: Path = MOUNTINFO, proc_cgroup: Path = PROC_CGROUP) -> 
 def delegate(own: Path, prefix: str, pid: int | None = None) -> tuple[Path | None, str]:
     """(D, "") with the controllers enabled in D = `own` for sandbox groups under it, or (None, why)."""
     pid = os.getpid() if pid is None else pid
-    offered = _read(own / "cgroup.controllers").split()
+    offered = read_control(own / "cgroup.controllers").split()
     missing = [c for c in NEEDED if c not in offered]
     if missing:
         return None, f"cgroup v2: {own} offers no {'/'.join(missing)} controller (cgroup.controllers: {offered})"
     wanted = " ".join(f"+{c}" for c in (*NEEDED, "cpu") if c in offered)
-    if all(c in _read(own / "cgroup.subtree_control").split() for c in NEEDED):
+    if all(c in read_control(own / "cgroup.subtree_control").split() for c in NEEDED):
         return own, ""
-    procs = _read(own / "cgroup.procs").split()
+    procs = read_control(own / "cgroup.procs").split()
     if procs and procs != [str(pid)]:
         return None, (f"cgroup v2: {own} holds {len(procs)} processes, not only this one, so its controllers cannot "
                       "be enabled for sandbox groups (run k3 in a cgroup of its own, e.g. systemd-run --scope "
@@ -80,8 +64,8 @@ def delegate(own: Path, prefix: str, pid: int | None = None) -> tuple[Path | Non
         if procs:  # alone here: step into a leaf of our own so `own` may enable controllers
             leaf = own / f"{prefix}{pid}-self"
             leaf.mkdir(exist_ok=True)
-            _write(leaf / "cgroup.procs", str(pid))
-        _write(own / "cgroup.subtree_control", wanted)
+            write_control(leaf / "cgroup.procs", str(pid))
+        write_control(own / "cgroup.subtree_control", wanted)
     except OSError as e:
         return None, f"cgroup v2: cannot enable {wanted} in {own}: {e.strerror}"
     return own, ""
@@ -102,12 +86,12 @@ class SandboxCgroupV2:
         except OSError as e:
             raise SandboxError(f"cannot make sandbox cgroup {self.group}: {e}") from e
         try:
-            _write(self.group / "memory.max", str(limits.memory_bytes))
+            write_control(self.group / "memory.max", str(limits.memory_bytes))
             if (self.group / "memory.swap.max").exists():  # no swapping past the limit
-                _write(self.group / "memory.swap.max", "0")
-            if limits.cpus is not None and "cpu" in _read(parents["unified"] / "cgroup.subtree_control").split():
-                _write(self.group / "cpu.max", f"{int(limits.cpus * 100_000)} 100000")
-            _write(self.group / "cgroup.subtree_control", "+pids")
+                write_control(self.group / "memory.swap.max", "0")
+            if limits.cpus is not None and "cpu" in read_control(parents["unified"] / "cgroup.subtree_control").split():
+                write_control(self.group / "cpu.max", f"{int(limits.cpus * 100_000)} 100000")
+            write_control(self.group / "cgroup.subtree_control", "+pids")
         except OSError as e:
             _rmdir(self.group)
             raise SandboxError(f"cannot set up sandbox cgroup {self.group}: {e}") from e
@@ -118,20 +102,20 @@ class SandboxCgroupV2:
         self._exec = self.group / f"x{self._count}"
         try:
             self._exec.mkdir()
-            _write(self._exec / "pids.max", str(self.limits.processes))
+            write_control(self._exec / "pids.max", str(self.limits.processes))
         except OSError as e:
             raise SandboxError(f"cannot make the exec's cgroup {self._exec}: {e}") from e
         return [str(self._exec / "cgroup.procs")]
 
     def counters(self) -> tuple[int, int, int]:
         """(CPU nanoseconds, pid-limit hits of the current exec, OOM kills) so far."""
-        hits = _key(_read(self._exec / "pids.events"), "max") if self._exec else 0
-        return (_key(_read(self.group / "cpu.stat"), "usage_usec") * 1000, hits,
-                _key(_read(self.group / "memory.events"), "oom_kill"))
+        hits = control_counter(read_control(self._exec / "pids.events"), "max") if self._exec else 0
+        return (control_counter(read_control(self.group / "cpu.stat"), "usage_usec") * 1000, hits,
+                control_counter(read_control(self.group / "memory.events"), "oom_kill"))
 
     def procs(self) -> list[int]:
         """Every process in the sandbox (they all sit in exec leaves)."""
-        return [int(p) for leaf in self.group.glob("x*") for p in _read(leaf / "cgroup.procs").split()]
+        return [int(p) for leaf in self.group.glob("x*") for p in read_control(leaf / "cgroup.procs").split()]
 
     def kill_all(self) -> None:
         """SIGKILL every process in the sandbox and wait until none is left."""
@@ -141,7 +125,7 @@ class SandboxCgroupV2:
             if not pids:
                 return
             if kill.exists():
-                _write(kill, "1")
+                write_control(kill, "1")
             else:
                 for pid in pids:
                     try:

@@ -72,18 +72,18 @@ class Limits:
         return out
 
 
-def _read(path: Path) -> str:
+def read_control(path: Path) -> str:
     with open(path) as f:
         return f.read()
 
 
-def _write(path: Path, value: str) -> None:
+def write_control(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
 
 
-def _event(text: str, key: str) -> int:
-    """A counter from a `key value` per line file (pids.events, memory.oom_control)."""
+def control_counter(text: str, key: str) -> int:
+    """A counter from a `key value` per line control file (pids.events, memory.events, cpu.stat)."""
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name == key:
@@ -107,12 +107,12 @@ class SandboxCgroup:
                 d.mkdir(parents=True, exist_ok=True)
                 made.append(d)
             memory = self.dirs["memory"]
-            _write(memory / "memory.limit_in_bytes", str(limits.memory_bytes))
+            write_control(memory / "memory.limit_in_bytes", str(limits.memory_bytes))
             if (memory / "memory.memsw.limit_in_bytes").exists():  # no swapping past the limit
-                _write(memory / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
+                write_control(memory / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
             if "cpu" in self.dirs and limits.cpus is not None:
-                _write(self.dirs["cpu"] / "cpu.cfs_period_us", "100000")
-                _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(int(limits.cpus * 100_000)))
+                write_control(self.dirs["cpu"] / "cpu.cfs_period_us", "100000")
+                write_control(self.dirs["cpu"] / "cpu.cfs_quota_us", str(int(limits.cpus * 100_000)))
         except OSError as e:
             for d in made:
                 _rmdir(d)
@@ -124,20 +124,20 @@ class SandboxCgroup:
         self._exec = self.dirs["pids"] / f"x{self._count}"
         try:
             self._exec.mkdir()
-            _write(self._exec / "pids.max", str(self.limits.processes))
+            write_control(self._exec / "pids.max", str(self.limits.processes))
         except OSError as e:
             raise SandboxError(f"cannot make the exec's pids cgroup {self._exec}: {e}") from e
         return [str(self._exec / "cgroup.procs")] + [str(d / "cgroup.procs") for c, d in self.dirs.items() if c != "pids"]
 
     def counters(self) -> tuple[int, int, int]:
         """(CPU nanoseconds, pid-limit hits of the current exec, OOM kills) so far."""
-        hits = _event(_read(self._exec / "pids.events"), "max") if self._exec else 0
-        return (int(_read(self.dirs["cpuacct"] / "cpuacct.usage")), hits,
-                _event(_read(self.dirs["memory"] / "memory.oom_control"), "oom_kill"))
+        hits = control_counter(read_control(self._exec / "pids.events"), "max") if self._exec else 0
+        return (int(read_control(self.dirs["cpuacct"] / "cpuacct.usage")), hits,
+                control_counter(read_control(self.dirs["memory"] / "memory.oom_control"), "oom_kill"))
 
     def procs(self) -> list[int]:
         """Every process in the sandbox."""
-        return [int(p) for p in _read(self.dirs["memory"] / "cgroup.procs").split()]
+        return [int(p) for p in read_control(self.dirs["memory"] / "cgroup.procs").split()]
 
     def kill_all(self) -> None:
         """SIGKILL every process left in the sandbox, until none is (a fork between reads is caught
@@ -191,7 +191,7 @@ def sweep_stale_cgroups(parents: dict[str, Path], prefix: str, alive) -> None:
 
 
 def _kill_procs(d: Path) -> None:
-    for pid in _read(d / "cgroup.procs").split():
+    for pid in read_control(d / "cgroup.procs").split():
         try:
             os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:

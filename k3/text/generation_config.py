@@ -29,18 +29,24 @@ def _number(config: dict, key: str, kind, path: Path):
     return value
 
 
-def read_generation_config(folder: str | Path) -> GenerationDefaults:
-    """The folder's defaults (all None without the file); ValueError in one line naming a bad field.
-    `do_sample: false` means greedy (temperature 0), as in transformers."""
-    path = Path(folder) / GENERATION_CONFIG
-    if not path.is_file():
-        return GenerationDefaults()
+def read_json_object(path: Path) -> dict:
+    """A release's JSON file as a dict; ValueError in one line naming the file if it is not one."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not readable JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds {type(config).__name__}, not an object")  # noqa: TRY004 (a bad file, not a bad argument)
+    return config
+
+
+def read_generation_config(folder: str | Path) -> GenerationDefaults:
+    """The folder's defaults (all None without the file); ValueError in one line naming a bad field.
+    `do_sample: false` means greedy (temperature 0), as in transformers."""
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.is_file():
+        return GenerationDefaults()
+    config = read_json_object(path)
     temperature = _number(config, "temperature", (int, float), path)
     top_p = _number(config, "top_p", (int, float), path)
     top_k = _number(config, "top_k", int, path)

@@ -10,7 +10,6 @@ as chat-tuned when it carries a chat template, or is a release whose tokenizer h
 """
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from k3.atomic import write_atomic
-from k3.text.generation_config import GENERATION_CONFIG, GenerationDefaults, read_generation_config
+from k3.text.generation_config import GENERATION_CONFIG, GenerationDefaults, read_generation_config, read_json_object
 from k3.text.template_chat import TemplateChat
 from k3.text.tiktoken_folder import TIKTOKEN_FILE, TOKENIZER_CONFIG
 from k3.text.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -32,15 +31,7 @@ CARRIED_FILES = (TIKTOKEN_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE, GENERATION
 
 def read_tokenizer_config(folder: str | Path) -> dict:
     path = Path(folder) / TOKENIZER_CONFIG
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds {type(config).__name__}, not an object")  # noqa: TRY004 (a bad file, not a bad argument)
-    return config
+    return read_json_object(path) if path.is_file() else {}
 
 
 def chat_template_of(folder: str | Path) -> str | None:
