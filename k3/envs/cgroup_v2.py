@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from k3.envs.errors import SandboxError
-from k3.envs.limits import control_counter, read_control, write_control
+from k3.envs.limits import control_counter, read_control, remove_cgroup, write_control
 
 NEEDED = ("memory", "pids")  # without these, no v2 limits; cpu (for cpu.max) is used when offered
 MOUNTINFO, PROC_CGROUP = Path("/proc/self/mountinfo"), Path("/proc/self/cgroup")
@@ -93,7 +93,7 @@ class SandboxCgroupV2:
                 write_control(self.group / "cpu.max", f"{int(limits.cpus * 100_000)} 100000")
             write_control(self.group / "cgroup.subtree_control", "+pids")
         except OSError as e:
-            _rmdir(self.group)
+            remove_cgroup(self.group)
             raise SandboxError(f"cannot set up sandbox cgroup {self.group}: {e}") from e
 
     def start_exec(self) -> list[str]:
@@ -138,24 +138,11 @@ class SandboxCgroupV2:
     def end_exec(self) -> None:
         self.kill_all()
         if self._exec is not None:
-            _rmdir(self._exec)
+            remove_cgroup(self._exec)
             self._exec = None
 
     def remove(self) -> None:
         self.end_exec()
         for leaf in self.group.glob("x*"):
-            _rmdir(leaf)
-        _rmdir(self.group)
-
-
-def _rmdir(d: Path) -> None:
-    """rmdir a cgroup, retrying briefly: a killed process leaves it only once it is reaped."""
-    for _ in range(200):
-        try:
-            d.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.005)
-    raise SandboxError(f"cgroup {d} still busy after kill")
+            remove_cgroup(leaf)
+        remove_cgroup(self.group)

@@ -115,7 +115,7 @@ class SandboxCgroup:
                 write_control(self.dirs["cpu"] / "cpu.cfs_quota_us", str(int(limits.cpus * 100_000)))
         except OSError as e:
             for d in made:
-                _rmdir(d)
+                remove_cgroup(d)
             raise SandboxError(f"cannot set up sandbox cgroup {name}: {e}") from e
 
     def start_exec(self) -> list[str]:
@@ -160,15 +160,15 @@ class SandboxCgroup:
         namespace teardown, so the overlay is unmounted and the file tree still before we go on."""
         self.kill_all()
         if self._exec is not None:
-            _rmdir(self._exec)
+            remove_cgroup(self._exec)
             self._exec = None
 
     def remove(self) -> None:
         self.end_exec()
         for x in self.dirs["pids"].glob("x*"):
-            _rmdir(x)
+            remove_cgroup(x)
         for d in self.dirs.values():
-            _rmdir(d)
+            remove_cgroup(d)
 
 
 def sweep_stale_cgroups(parents: dict[str, Path], prefix: str, alive) -> None:
@@ -183,9 +183,9 @@ def sweep_stale_cgroups(parents: dict[str, Path], prefix: str, alive) -> None:
                 for child in list(d.iterdir()):
                     if child.is_dir():
                         _kill_procs(child)
-                        _rmdir(child)
+                        remove_cgroup(child)
                 _kill_procs(d)
-                _rmdir(d)
+                remove_cgroup(d)
             except (OSError, SandboxError):
                 continue  # another process may be sweeping the same directory
 
@@ -198,7 +198,7 @@ def _kill_procs(d: Path) -> None:
             pass
 
 
-def _rmdir(d: Path) -> None:
+def remove_cgroup(d: Path) -> None:
     """rmdir a cgroup, retrying briefly: a killed process leaves it only once it is reaped."""
     for _ in range(200):
         try:
