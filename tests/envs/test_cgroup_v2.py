@@ -49,7 +49,7 @@ def test_delegation_moves_only_this_process_and_enables_the_controllers(tmp_path
 
 
 def test_sandbox_group_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(v2, "_rmdir", lambda d: shutil.rmtree(d, ignore_errors=True))  # the kernel's files go with it
+    monkeypatch.setattr(v2, "remove_cgroup", lambda d: shutil.rmtree(d, ignore_errors=True))  # the kernel's files go with it
     parent = fake_cgroup(tmp_path / "d")
     (parent / "cgroup.subtree_control").write_text("memory pids cpu\n")
     cg = v2.SandboxCgroupV2({"unified": parent}, "k3-envs-1-ab-cd", Limits(memory_bytes=64 << 20, processes=32, cpus=0.5))
@@ -78,7 +78,7 @@ def test_a_group_that_cannot_be_made_is_a_one_line_error(tmp_path):
 
 def test_stale_v2_groups_of_dead_owners_are_swept(tmp_path, monkeypatch):
     from k3.envs.limits import sweep_stale_cgroups
-    monkeypatch.setattr("k3.envs.limits._rmdir", lambda d: shutil.rmtree(d, ignore_errors=True))
+    monkeypatch.setattr("k3.envs.limits.remove_cgroup", lambda d: shutil.rmtree(d, ignore_errors=True))
     parent = fake_cgroup(tmp_path / "d")
     for name in ("k3-envs-999999-self", "k3-envs-999999-ab-cd", f"k3-envs-{os.getpid()}-ab-cd"):
         fake_cgroup(parent / name)
