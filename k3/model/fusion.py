@@ -78,6 +78,17 @@ class FusedProjection:
         return F.linear(x, self.weight)
 
 
+def fuse_layer_inputs(layer: nn.Module, kind: str) -> str:
+    """Give `layer` (KDA or MLA) one FusedProjection over its `input_projections()`, unless one of
+    them cannot be fused; returns what it did, one line."""
+    names = layer.input_projections()
+    reason = unfusable([getattr(layer, n) for n in names])
+    if reason is not None:
+        return f"{kind} kept unfused ({reason})"
+    layer._fused = FusedProjection(layer, names)
+    return f"{kind} {'|'.join(n.removesuffix('_proj') for n in names)} fused (1 GEMM, was {len(names)})"
+
+
 def active(fused: FusedProjection | None) -> FusedProjection | None:
     """`fused` when a forward may use it: no autograd (training keeps its separate GEMMs) and the
     matrix still shared. The host-side check is skipped while dynamo traces (it runs only eager)."""

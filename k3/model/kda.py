@@ -28,7 +28,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import KDAInputs, KDAState
-from k3.model.fusion import FusedProjection, active, unfusable
+from k3.model.fusion import FusedProjection, active, fuse_layer_inputs
 from k3.model.norm import RMSNorm
 from k3.model.precision import KeepsFP32
 from k3.ops.conv import causal_conv1d
@@ -108,12 +108,7 @@ class KimiDeltaAttention(KeepsFP32):
     def fuse_input_projections(self) -> str:
         """Run the input projections as one GEMM in forwards without autograd (k3.model.fusion);
         returns what it did, one line. Parameter names, values and memory are unchanged."""
-        names = self.input_projections()
-        reason = unfusable([getattr(self, n) for n in names])
-        if reason is not None:
-            return f"KDA kept unfused ({reason})"
-        self._fused = FusedProjection(self, names)
-        return f"KDA {'|'.join(n.removesuffix('_proj') for n in names)} fused (1 GEMM, was {len(names)})"
+        return fuse_layer_inputs(self, "KDA")
 
     def forget_gate(self, x: torch.Tensor, f_a: torch.Tensor | None = None) -> tuple[torch.Tensor, DecayGate]:
         """x [B, T, D] -> the gate's raw projections [B, T, H, K] and its parameters; the KDA op

@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3.config import K3Config
 from k3.model.cache import MLAState
-from k3.model.fusion import FusedProjection, active, unfusable
+from k3.model.fusion import FusedProjection, active, fuse_layer_inputs
 from k3.model.norm import RMSNorm
 from k3.ops import batch_invariant
 from k3.ops.varlen import seq_lengths
@@ -91,12 +91,7 @@ class GatedMLA(nn.Module):
     def fuse_input_projections(self) -> str:
         """Run the input projections as one GEMM in forwards without autograd (k3.model.fusion);
         returns what it did, one line. Parameter names, values and memory are unchanged."""
-        names = self.input_projections()
-        reason = unfusable([getattr(self, n) for n in names])
-        if reason is not None:
-            return f"MLA kept unfused ({reason})"
-        self._fused = FusedProjection(self, names)
-        return f"MLA {'|'.join(n.removesuffix('_proj') for n in names)} fused (1 GEMM, was {len(names)})"
+        return fuse_layer_inputs(self, "MLA")
 
     def queries(self, x: torch.Tensor, q_in: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T, D] -> [B, T, H, N+R]. `q_in`: q_proj(x) or q_a_proj(x) when already computed (fused)."""
