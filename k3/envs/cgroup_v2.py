@@ -16,12 +16,10 @@ else SIGKILL to each process listed).
 from __future__ import annotations
 
 import os
-import signal
-import time
 from pathlib import Path
 
 from k3.envs.errors import SandboxError
-from k3.envs.limits import control_counter, read_control, remove_cgroup, write_control
+from k3.envs.limits import control_counter, kill_until_empty, read_control, remove_cgroup, write_control
 
 NEEDED = ("memory", "pids")  # without these, no v2 limits; cpu (for cpu.max) is used when offered
 MOUNTINFO, PROC_CGROUP = Path("/proc/self/mountinfo"), Path("/proc/self/cgroup")
@@ -119,21 +117,7 @@ class SandboxCgroupV2:
 
     def kill_all(self) -> None:
         """SIGKILL every process in the sandbox and wait until none is left."""
-        kill = self.group / "cgroup.kill"
-        for _ in range(100):
-            pids = self.procs()
-            if not pids:
-                return
-            if kill.exists():
-                write_control(kill, "1")
-            else:
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            time.sleep(0.001)
-        raise SandboxError(f"sandbox cgroup {self.group} still has processes after SIGKILL")
+        kill_until_empty(self.procs, self.group, self.group / "cgroup.kill")
 
     def end_exec(self) -> None:
         self.kill_all()

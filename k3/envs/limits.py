@@ -142,17 +142,7 @@ class SandboxCgroup:
     def kill_all(self) -> None:
         """SIGKILL every process left in the sandbox, until none is (a fork between reads is caught
         by the next round; pids.max bounds how many there can be)."""
-        for _ in range(100):
-            pids = self.procs()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.001)
-        raise SandboxError(f"sandbox cgroup {self.dirs['memory']} still has processes after SIGKILL")
+        kill_until_empty(self.procs, self.dirs["memory"])
 
     def end_exec(self) -> None:
         """After bwrap's exit: kill what is left (background jobs the PID namespace's teardown has
@@ -196,6 +186,24 @@ def _kill_procs(d: Path) -> None:
             os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_until_empty(procs, group: Path, kill_file: Path | None = None) -> None:
+    """SIGKILL `procs()` (through `kill_file`, v2's cgroup.kill, where it exists) until none is left."""
+    for _ in range(100):
+        pids = procs()
+        if not pids:
+            return
+        if kill_file is not None and kill_file.exists():
+            write_control(kill_file, "1")
+        else:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.001)
+    raise SandboxError(f"sandbox cgroup {group} still has processes after SIGKILL")
 
 
 def remove_cgroup(d: Path) -> None:
