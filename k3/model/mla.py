@@ -23,6 +23,10 @@ Two attention paths over the same weights (config.mla_impl):
 With a cache (k3/model/cache.py MLAState), a uniform batch [B, T] continues its B sequences in one
 batched attention over the padded latent buffer; in a packed row the one-token documents attend
 as one batch and each longer document alone.
+Without a cache a packed row runs one attention per document, except in host-free mode
+(k3.ops.host_free): there it is one attention over the whole row with a block-diagonal causal mask
+built on the device (`_document_mask`), dense [T, T]: O(T^2) time and memory per layer, meant for
+the small models a captured training step serves (rows up to ~16K tokens).
 """
 from __future__ import annotations
 
@@ -38,8 +42,8 @@ from k3.config import K3Config
 from k3.model.cache import MLAState
 from k3.model.fusion import FusedProjection, active, fuse_layer_inputs
 from k3.model.norm import RMSNorm
-from k3.ops import batch_invariant
-from k3.ops.varlen import seq_lengths
+from k3.ops import batch_invariant, host_free
+from k3.ops.varlen import seq_lengths, token_documents
 
 # The official code gives the two latent norms eps 1e-6, unlike every other norm (DESIGN §3).
 MLA_LATENT_NORM_EPS = 1e-6
@@ -192,6 +196,8 @@ class GatedMLA(nn.Module):
             q, lat = self.rotate(q, lat, self._positions(x, cu_seqlens, state))
         if state is None and cu_seqlens is None:
             o = self.attend(q, lat, mask=None)
+        elif state is None and host_free.active():  # no per-document loop: that needs the bounds on the host
+            o = self.attend(q, lat, _document_mask(cu_seqlens, x.shape[1]))
         elif state is None:
             o = x.new_empty(*x.shape[:2], self.num_heads * self.v_dim)
             for start, end in _bounds(cu_seqlens):
@@ -255,6 +261,13 @@ class GatedMLA(nn.Module):
             o[:, start:end] = self.attend(q[:, start:end], buffer[n:n + 1, :S].to(lat.dtype), mask)
         lengths += cu_seqlens.diff().to(lengths)
         return o
+
+
+def _document_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[1, 1, T, T] bool: query t may attend key s iff both lie in one document and s <= t."""
+    doc, _ = token_documents(cu_seqlens, tokens)
+    t = torch.arange(tokens, device=cu_seqlens.device)
+    return ((doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None]))[None, None]
 
 
 def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:

@@ -8,12 +8,18 @@ The CPU ops turn a packed batch into a zero-padded [N, T_max, ...] one (`unpack`
 (`pack`). Zero padding at the END of a sequence is inert for KDA (g = 0: no decay, beta = 0: no
 write) and for the causal conv (outputs past the end are dropped, tails are gathered at each
 sequence's real end), so padded positions never change a real output or a final state.
+
+In host-free mode (k3.ops.host_free) `cu_seqlens` may end in zero-length documents (entries equal
+to T) and nothing here reads its values on the host: `check_cu_seqlens` checks shapes only and
+`token_documents` builds the per-token metadata on the device with fixed shapes.
 """
 from __future__ import annotations
 
 import itertools
 
 import torch
+
+from k3.ops import host_free
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, tokens: int) -> int:
@@ -24,12 +30,23 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, tokens: int) -> int:
         raise ValueError(f"cu_seqlens must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be an integer tensor (int64), got {cu_seqlens.dtype}")
+    if host_free.active():  # values are validated once per step where the batch is packed, off the graph
+        return cu_seqlens.numel() - 1
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != tokens:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={tokens}, got {bounds[0]}..{bounds[-1]}")
     if any(b < a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
     return len(bounds) - 1
+
+
+def token_documents(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document index [T], position in that document [T]) of every token, int64, on the device.
+    A token belongs to the LAST document starting at or before it: zero-length documents (any
+    run of equal entries, e.g. the padded tails) start where the next real one does, so none owns a token."""
+    t = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    doc = torch.searchsorted(cu_seqlens, t, right=True) - 1
+    return doc.long(), (t - cu_seqlens[doc]).long()
 
 
 def seq_lengths(cu_seqlens: torch.Tensor) -> list[int]:

@@ -16,13 +16,17 @@ Two interchangeable backends, as for the KDA op (k3.ops.kda):
 - "fla":   fla's Triton causal_conv1d on CUDA (`fla_backend.py`), forward and backward in one
            kernel each with the activation fused; cuDNN's depthwise conv backward is slow at long T.
 "auto" picks fla on CUDA when it imports, else torch.
+In host-free mode (k3.ops.host_free) a packed row takes `masked.py` whatever `impl`, on every
+device (fla's kernel and the reference size their work from the lengths read on the host); it has
+no tails in or out, so asking for them there is an error.
 """
 from __future__ import annotations
 
 import torch
 
-from k3.ops import fla_kernels
+from k3.ops import fla_kernels, host_free
 from k3.ops.conv import fla_backend
+from k3.ops.conv.masked import causal_conv1d_masked
 from k3.ops.conv.reference import causal_conv1d_torch
 from k3.ops.varlen import check_cu_seqlens
 
@@ -55,6 +59,11 @@ def causal_conv1d(
     if initial_state is not None and tuple(initial_state.shape) != (N, C, W - 1):
         raise ValueError(f"causal_conv1d: initial_state must be [N={N}, C={C}, W-1={W - 1}], "
                          f"got shape {tuple(initial_state.shape)}")
+    if cu_seqlens is not None and host_free.active():
+        if initial_state is not None or output_final_state:
+            raise ValueError("causal_conv1d: host-free mode runs packed rows without conv tails "
+                             "(no initial_state, output_final_state=False)")
+        return causal_conv1d_masked(x, weight, cu_seqlens, activation), None
     if impl == "auto":
         impl = "fla" if x.is_cuda and fla_kernels.available() else "torch"
     backend = fla_backend.causal_conv1d_fla if impl == "fla" else causal_conv1d_torch

@@ -27,6 +27,11 @@ kernels (the same formula and eps, in fp32, saving the fp32 copies of q and k an
 through memory), in fp32 on the torch paths.
 `gate=DecayGate(...)` takes g before its activation (the raw gate projections, `k3.ops.kda.gate`)
 and activates it: inside fla's kernels, with `activate_gate` on the torch paths.
+In host-free mode (k3.ops.host_free) nothing reads the lengths on the host on CUDA: "auto" takes
+fla whatever the dtype (fp32 too, at TF32 rounding), never "segmented", and fla builds its chunk
+list on the device (`use_graph`, fla_backend.py); a torch backend on CUDA is refused there. On
+the CPU (never captured) "auto" takes chunk, which still reads the lengths, and handles the
+zero-length tail documents as any other.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import logging
 
 import torch
 
-from k3.ops import batch_invariant, fla_kernels
+from k3.ops import batch_invariant, fla_kernels, host_free
 from k3.ops.kda import fla_backend
 from k3.ops.kda.chunk import kda_chunk
 from k3.ops.kda.decode_rows import kda_split_decode_rows
@@ -81,6 +86,8 @@ def kda(
         raise ValueError("kda: update_state_in_place needs output_final_state=True and a contiguous fp32 "
                          "initial_state to write into")
     sequential = sequential or batch_invariant.enabled()  # every token as a decode step computes it
+    if host_free.active():
+        impl = _host_free_impl(impl, q)
     if impl == "auto":
         impl = _auto_impl(q, v, cu_seqlens)
         if impl == "fla" and not (sequential or update_state_in_place or _needs_grad(q, k, v, g, beta, gate)):
@@ -129,6 +136,15 @@ def kda(
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _host_free_impl(impl: str, q: torch.Tensor) -> str:
+    if not q.is_cuda:
+        return "chunk" if impl == "auto" else impl  # "auto" would read the longest length to pick recurrent
+    if impl not in ("auto", "fla") or not fla_kernels.available():
+        raise ValueError(f"kda: host-free mode on CUDA needs fla-core with triton and impl 'auto' or 'fla', "
+                         f"got impl {impl!r}")
+    return "fla"
 
 
 def _needs_grad(*tensors) -> bool:

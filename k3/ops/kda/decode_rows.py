@@ -44,14 +44,16 @@ def kda_split_decode_rows(
     `decay_floor`: as `kda_chunk`'s."""
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     lengths = seq_lengths(cu_seqlens)
-    short = [n for n, length in enumerate(lengths) if length <= short_below]
+    # zero-length sequences (a captured step's padding) have no tokens: their state passes through
+    empty = [n for n, length in enumerate(lengths) if length == 0]
+    short = [n for n, length in enumerate(lengths) if 0 < length <= short_below]
     multi = [n for n, length in enumerate(lengths) if length > short_below]
-    if not short:
+    if not short and not empty:
         return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                          decay_floor=decay_floor)
     starts = [0, *accumulate(lengths)][:-1]  # from the lengths already on the host: no second read
-    longest = max(lengths[n] for n in short)
+    longest = max((lengths[n] for n in short), default=0)
     # [n, longest] gather indices of the short rows; padding slots read row 0 and are zeroed
     index = torch.tensor([[starts[n] + min(t, lengths[n] - 1) for t in range(longest)] for n in short],
                          device=q.device)
@@ -61,21 +63,31 @@ def kda_split_decode_rows(
         return None if initial_state is None else initial_state[rows]
 
     inputs = (q, k, v, g, beta)
-    padded = [t[0, index] * real.view(*real.shape, *([1] * (t.dim() - 2))).to(t.dtype) for t in inputs]
-    o_short, s_short = kda_recurrent(*padded, scale=scale, initial_state=state_of(short), output_final_state=True)
-    o = o_short.new_empty(*v.shape)
-    o[0, index[real]] = o_short[real]
+    o = s_short = s_multi = None
+    if short:
+        padded = [t[0, index] * real.view(*real.shape, *([1] * (t.dim() - 2))).to(t.dtype) for t in inputs]
+        o_short, s_short = kda_recurrent(*padded, scale=scale, initial_state=state_of(short),
+                                         output_final_state=True)
+        o = o_short.new_zeros(*v.shape)
+        o[0, index[real]] = o_short[real]
     if multi:
         multi_pos = torch.cat([torch.arange(starts[n], starts[n] + lengths[n], device=q.device) for n in multi])
         multi_cu = torch.tensor([0] + [lengths[n] for n in multi], device=cu_seqlens.device).cumsum(0)
         o_multi, s_multi = kda_chunk(*(t[:, multi_pos] for t in inputs), scale=scale, initial_state=state_of(multi),
                                      output_final_state=True, cu_seqlens=multi_cu, chunk_size=chunk_size,
                                      decay_floor=decay_floor)
+        o = o_multi.new_zeros(*v.shape) if o is None else o
         o[0, multi_pos] = o_multi[0]
+    if o is None:  # no tokens at all
+        o = v.new_zeros(v.shape)
     if not output_final_state:
         return o, None
-    state = s_short.new_empty(len(lengths), *s_short.shape[1:])
-    state[short] = s_short
+    state = q.new_zeros(len(lengths), q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+    if initial_state is not None:
+        state[empty] = initial_state[empty].to(state.dtype)
+    if short:
+        state = state.to(s_short.dtype)
+        state[short] = s_short
     if multi:
-        state[multi] = s_multi
+        state[multi] = s_multi.to(state.dtype)
     return o, state

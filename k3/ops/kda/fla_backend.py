@@ -25,12 +25,16 @@ fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
   the decode kernel reads and writes the caller's state tensor (`fused_recurrent_kda_fwd` with
   `inplace_final_state=True`: the public `fused_recurrent_kda` always allocates a new one); on the
   other paths k3.ops.kda copies the new state in, as it does for every backend.
+- host-free mode (k3.ops.host_free), packed rows: `chunk_kda(use_graph=True, max_num_seqs=N)`,
+  fla's fixed-shape chunk list built on the device, made for graph capture with zero-length tail
+  documents (fla/ops/kda/chunk.py of 0.6.0). The recurrent kernel sizes its grid by N alone and
+  needs no flag.
 """
 from __future__ import annotations
 
 import torch
 
-from k3.ops import fla_kernels
+from k3.ops import fla_kernels, host_free
 from k3.ops.kda.gate import DecayGate
 from k3.ops.kda.inputs import check_kda_inputs
 
@@ -90,6 +94,8 @@ def kda_fla(
         o, state = fused_recurrent_kda(q, k, v, g, beta, **common)
     else:
         bounded = gate is not None and gate.lower_bound is not None
+        if cu_seqlens is not None and host_free.active():  # the chunk list built on the device, fixed shape
+            common.update(use_graph=True, max_num_seqs=cu_seqlens.numel() - 1)
         o, state = chunk_kda(q, k, v, g, beta, **common, use_beta_sigmoid_in_kernel=False, safe_gate=bounded,
                              state_v_first=False, chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64)
     return o, state if output_final_state else None
