@@ -20,6 +20,8 @@ b [n] the selection bias `gate.e_score_correction_bias`. Everything runs under n
 The model's gates record what these rules need (`MoEGate.last_scores`, `.expert_load`, training
 mode only); `balance_step` walks a model's StableLatentMoE layers. No torch.distributed here: a
 caller that shards the batch passes `reduce_fn` (e.g. an all-reduce SUM of an integer tensor).
+`balance_step` and `max_load` read nothing back to the host (no bincount, no int() of a count, no
+branch on a tensor's value), so a CUDA graph can capture them with the optimizer step.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor
     return s - cutoff[:, None]
 
 
-def qb_quota(m: int, n: int, k: int) -> int:
+def qb_quota(m: int | torch.Tensor, n: int, k: int) -> int | torch.Tensor:
     """q = floor(m k / n): tokens per expert under perfect balance. k < n gives q < m, so the
     (q+1)-th largest of m margins always exists."""
     return m * k // n
@@ -94,19 +96,26 @@ def margin_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, edges: to
     n, bins = margins.shape[1], edges.numel() - 1
     # interior edges only: values below edges[1] go to bin 0, values >= edges[-2] to the last bin
     which = torch.bucketize(margins, edges[1:-1].to(margins.device), right=True)
-    flat = which + torch.arange(n, device=margins.device) * bins
-    return torch.bincount(flat.flatten(), minlength=n * bins).view(n, bins)
+    flat = (which + torch.arange(n, device=margins.device) * bins).flatten()
+    # a scatter-add, not torch.bincount: bincount's CUDA kernel reads max() back to the host
+    counts = torch.zeros(n * bins, dtype=torch.long, device=margins.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return counts.view(n, bins)
 
 
 @torch.no_grad()
-def quantile_from_histogram(counts: torch.Tensor, edges: torch.Tensor, q: int) -> torch.Tensor:
-    """Per expert, the midpoint of the bin holding the (q+1)-th largest margin: [n] fp32."""
-    m = int(counts[0].sum())
-    if not 0 <= q < m:
-        raise ValueError(f"need 0 <= q < tokens counted ({m}), got q={q}")
+def quantile_from_histogram(counts: torch.Tensor, edges: torch.Tensor, q: int | torch.Tensor) -> torch.Tensor:
+    """Per expert, the midpoint of the bin holding the (q+1)-th largest margin: [n] fp32. An int q
+    is checked against the tokens counted (a host read); a 0-d tensor q (on counts' device, as
+    `histogram_balance` computes it) is not, so nothing is read back."""
     from_top = counts.flip(-1).cumsum(-1)  # tokens at or above each bin, highest bin first
-    bin_from_top = torch.searchsorted(from_top, torch.full((counts.shape[0], 1), q + 1, device=counts.device,
-                                                           dtype=from_top.dtype)).squeeze(-1)
+    if isinstance(q, torch.Tensor):
+        target = (q + 1).to(from_top.dtype).expand(counts.shape[0], 1).contiguous()
+    else:
+        m = int(counts[0].sum())
+        if not 0 <= q < m:
+            raise ValueError(f"need 0 <= q < tokens counted ({m}), got q={q}")
+        target = torch.full((counts.shape[0], 1), q + 1, device=counts.device, dtype=from_top.dtype)
+    bin_from_top = torch.searchsorted(from_top, target).squeeze(-1)
     b = counts.shape[-1] - 1 - bin_from_top
     edges = edges.to(counts.device)
     return (edges[b] + edges[b + 1]) / 2
@@ -115,7 +124,8 @@ def quantile_from_histogram(counts: torch.Tensor, edges: torch.Tensor, q: int) -
 @torch.no_grad()
 def histogram_balance(counts: torch.Tensor, edges: torch.Tensor, k: int) -> torch.Tensor:
     """QB from (pooled) margin histograms [n, bins]: the new bias [n] fp32."""
-    n, m = counts.shape[0], int(counts[0].sum())
+    # the pooled token count stays on the device: ranks' shares are not known here
+    n, m = counts.shape[0], counts[0].sum()
     return bias_from_quantiles(quantile_from_histogram(counts, edges, qb_quota(m, n, k)))
 
 
@@ -161,3 +171,14 @@ def balance_step(model: nn.Module, rule: str | None = "quantile", *, gamma: floa
 def expert_loads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Tokens routed to each expert since the last balance_step, per MoE layer (for logging)."""
     return {name: moe.gate.expert_load for name, moe in moe_layers(model).items() if moe.gate.expert_load is not None}
+
+
+@torch.no_grad()
+def max_load(model: nn.Module) -> torch.Tensor | None:
+    """max/mean of each MoE layer's expert load since the last balance_step, stacked [layers] fp32
+    on the device (None when nothing is recorded): the trainer reads it back only when it logs.
+    Call it before balance_step, which clears the loads."""
+    loads = list(expert_loads(model).values())
+    if not loads:
+        return None
+    return torch.stack([load.max().float() / load.float().mean().clamp_min(1e-9) for load in loads])

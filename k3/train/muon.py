@@ -17,6 +17,11 @@ Why not torch.optim.Muon: it orthogonalizes whole 2-D matrices only (no block st
 Newton-Schulz is a private 2-D helper; here the blocks of a weight run as one batched NS.
 Under FSDP2 a Muon parameter is a sharded DTensor: the update is gathered, orthogonalized by every
 rank identically, and each rank keeps its own shard (no extra communication for the write-back).
+
+`capturable=True` makes `step()` replayable as part of a CUDA graph: each group's lr is a 0-d fp32
+tensor on the parameters' device (the schedule fill_s it in place), the AdamW step counters live
+there too, and the step reads nothing back to the host. State dicts hold plain float lrs either way,
+so a checkpoint resumes into either mode.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import adam as torch_adam
 from torch.optim.adamw import adamw
 
 from k3.config import K3Config
@@ -149,16 +155,22 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     Muon groups carry `block_axis`/`block_size` (see `Blocks`); their state is `momentum_buffer`.
     AdamW groups use torch's functional AdamW (decoupled decay); their state is step/exp_avg/exp_avg_sq.
+    `capturable`: tensor lrs and device step counters, no host reads in `step()` (module docstring).
     """
 
     def __init__(self, groups: list[dict], *, lr: float, momentum: float = 0.95, nesterov: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 capturable: bool = False):
         for g in groups:
             if g.get("kind") not in ("muon", "adamw"):
                 raise ValueError(f"param group {g.get('name')!r}: kind must be 'muon' or 'adamw'")
         defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "betas": betas, "eps": eps,
                         "weight_decay": weight_decay, "block_axis": None, "block_size": None}
         super().__init__(groups, defaults)
+        if capturable and any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            raise ValueError("capturable=True needs unsharded parameters (an FSDP2 Muon step gathers its updates)")
+        # an attribute, not a group key: load_state_dict replaces groups, and the mode is this run's
+        self.capturable = capturable
         # State exists for every parameter from the start (also one that never gets a gradient,
         # like layer 0's AttnRes query), so every checkpoint holds the same complete set.
         for group in self.param_groups:
@@ -166,8 +178,21 @@ class PerHeadMuon(torch.optim.Optimizer):
                 if group["kind"] == "muon":
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
                 else:
-                    self.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                         exp_avg_sq=torch.zeros_like(p))
+                    step = torch.tensor(0.0, device=p.device if capturable else "cpu")
+                    self.state[p].update(step=step, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        # the lr tensors a captured graph reads: kept by identity across load_state_dict
+        self._lr_tensors = [self._lr_tensor(g) for g in self.param_groups] if capturable else []
+        for g, lr_t in zip(self.param_groups, self._lr_tensors):
+            # the peak as given, for a schedule to scale on the host (the fp32 tensor rounds it)
+            g.setdefault("initial_lr", float(g["lr"]))
+            g["lr"] = lr_t
+        self.register_state_dict_post_hook(_float_lrs)
+        self.register_load_state_dict_post_hook(_restore_mode)
+
+    @staticmethod
+    def _lr_tensor(group: dict) -> torch.Tensor:
+        device = group["params"][0].device if group["params"] else "cpu"
+        return torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -185,19 +210,28 @@ class PerHeadMuon(torch.optim.Optimizer):
     def _muon(self, group: dict) -> None:
         blocks = Blocks(group["block_axis"], group["block_size"])
         lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        # one launch per group on CUDA; on CPU the same per-tensor lerp_ as before
+        torch._foreach_lerp_(bufs, grads, 1 - mom)
+        updates = torch._foreach_lerp(grads, bufs, mom) if group["nesterov"] else bufs
         by_shape: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            buf = self.state[p]["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mom)
-            update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
+        for p, update in zip(params, updates):
             # a sharded DTensor (FSDP2) is orthogonalized whole: gather it first
             full = update.full_tensor() if isinstance(update, DTensor) else update
             by_shape.setdefault(tuple(full.shape), []).append((p, full))
+        if self.capturable and wd:
+            torch._foreach_mul_(params, 1 - lr * wd)  # lr a device tensor: decay of all at once
         # weights of one shape (e.g. all experts) share one batched Newton-Schulz
         for items in by_shape.values():
             updates = orthogonalize(torch.stack([u for _, u in items]), blocks)
+            if self.capturable:
+                updates.mul_(-lr)
+                torch._foreach_add_([p for p, _ in items], list(updates.unbind(0)))
+                continue
             for (p, _), u in zip(items, updates):
                 if isinstance(p, DTensor):
                     # every rank holds the same full update: each keeps its own shard, no scatter
@@ -216,8 +250,39 @@ class PerHeadMuon(torch.optim.Optimizer):
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        if params:
-            beta1, beta2 = group["betas"]
-            adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                  eps=group["eps"], maximize=False)
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        lr, capturable, foreach = group["lr"], False, False
+        if self.capturable:
+            # torch's capturable AdamW (tensor lr, device steps, no reads) runs on the devices it
+            # lists (CUDA); elsewhere, as on CPU, a host read of lr costs no sync
+            capturable = params[0].device.type in torch_adam._get_capturable_supported_devices()
+            foreach = capturable and params[0].is_cuda
+            lr = lr if capturable else float(lr)
+        adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, capturable=capturable,
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
+              eps=group["eps"], maximize=False)
+
+
+def _float_lrs(optimizer: PerHeadMuon, state_dict: dict) -> dict:
+    """State dicts hold float lrs in both modes (JSON-able, and resumable into either mode)."""
+    for g in state_dict["param_groups"]:
+        for key in ("lr", "initial_lr"):
+            if isinstance(g.get(key), torch.Tensor):
+                g[key] = float(g[key])
+    return state_dict
+
+
+def _restore_mode(optimizer: PerHeadMuon) -> None:
+    """After load_state_dict: the loaded lrs go into this run's lr tensors (same objects, so a
+    captured graph still reads them) and the AdamW steps to where this mode keeps them."""
+    for group, lr_t in zip(optimizer.param_groups, optimizer._lr_tensors):
+        lr_t.fill_(float(group["lr"]))
+        group["lr"] = lr_t
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state[p].get("step")
+            if step is not None:
+                where = p.device if optimizer.capturable else torch.device("cpu")
+                optimizer.state[p]["step"] = step.to(device=where, dtype=torch.float32)

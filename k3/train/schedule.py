@@ -1,5 +1,7 @@
 """Learning-rate schedule (DESIGN §8): linear warmup over 1% of the steps, then cosine decay to
-`min_ratio` of the peak, as a torch LambdaLR (its state is a step counter, saved with checkpoints)."""
+`min_ratio` of the peak, as a torch LambdaLR (its state is a step counter, saved with checkpoints).
+With a capturable optimizer (tensor lrs) LambdaLR fill_s each lr tensor in place; the schedule's
+values themselves stay host floats, so a step neither reads the device nor logs a tensor."""
 from __future__ import annotations
 
 import math
@@ -26,8 +28,21 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class FloatLambdaLR(LambdaLR):
+    """LambdaLR whose `get_last_lr()` is floats also when the groups' lrs are device tensors: the
+    values the schedule computed on the host, not copies read back from the device."""
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        self._last_lr = [base_lr * lmbda(self.last_epoch) for lmbda, base_lr in zip(self.lr_lambdas, self.base_lrs)]
+
+
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, min_ratio: float = 0.1) -> LambdaLR:
     if total_steps < 1:
         raise ValueError(f"total steps must be >= 1, got {total_steps}")
     warmup = max(1, round(WARMUP_FRACTION * total_steps))
-    return LambdaLR(optimizer, WarmupCosine(total_steps, warmup, min_ratio))
+    for group in optimizer.param_groups:
+        # a float peak: LambdaLR would otherwise keep a tensor copy and read it back every step
+        if isinstance(group["lr"], torch.Tensor):
+            group.setdefault("initial_lr", float(group["lr"]))
+    return FloatLambdaLR(optimizer, WarmupCosine(total_steps, warmup, min_ratio))
