@@ -167,14 +167,16 @@ class SFTTrainer(Trainer):
 
     def global_tokens(self, local: int) -> int:
         """Conversations differ in length, so ranks count theirs and add them up."""
+        if not self.world.distributed:  # no device round trip: a captured step must not wait on it
+            return local
         return int(all_reduce_sum(torch.tensor(float(local), device=self.world.device), self.world))
 
     def _loss_sum(self, batch) -> torch.Tensor:
         """Summed NLL of the assistant targets. With `share_prefixes` (not under --compile, whose
-        regions are traced for whole rows), the tokens before each conversation's first target,
-        the system messages most conversations repeat, run once per distinct prefix
-        (k3/train/prefix_tree.py): the same loss and gradient."""
-        if self.s.share_prefixes and not self.s.compile:
+        regions are traced for whole rows, nor in captured steps, whose rows have fixed shapes),
+        the tokens before each conversation's first target, the system messages most conversations
+        repeat, run once per distinct prefix (k3/train/prefix_tree.py): the same loss and gradient."""
+        if self.s.share_prefixes and not self.s.compile and self.graphs is None:
             labels = batch.labels[0]
             firsts = first_targets(labels != IGNORE_INDEX, batch.cu_seqlens)
             if firsts is not None:

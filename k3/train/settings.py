@@ -129,6 +129,9 @@ class OptimizerSettings:
     qat: bool = option(False, "quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")
     compile: bool = option(False, "torch.compile each layer's norms, mixer and FFN and the AttnRes reads (worth it "
                                   "on CUDA; minutes of compiling first)")
+    cuda_graphs: bool = option(True, "on one CUDA device, capture each training step (forward, backward, update) "
+                                     "as a CUDA graph and replay it: small models stop being launch-bound "
+                                     "(DESIGN §14.5; ignored on CPU, under torchrun, --compile and --qat)")
 
 
 @settings

@@ -46,9 +46,10 @@ from k3.text.tokenizer import (
     tokenizer_fingerprint,
     train_tokenizer,
 )
-from k3.train.balance import balance_step, expert_loads
+from k3.train.balance import balance_step, expert_loads, max_load
 from k3.train.chat_start import ChatStart
 from k3.train.errors import TrainError
+from k3.train.graph_step import GraphStep, StepOutputs, token_bucket
 from k3.train.init import INITS, init_for_training
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, MetricsLog, plot_losses, write_report
 from k3.train.muon import OPTIMIZERS, PerHeadMuon, param_groups
@@ -81,6 +82,8 @@ EVAL_ROW_TOKENS = 4096  # tokens per eval forward (no backward, so rows can be l
 # a default eval reads the whole validation split up to this many tokens (the bundled play is 45,602), so
 # a large user corpus does not spend more time evaluating than training; the same tokens every eval
 MAX_EVAL_TOKENS = 262_144
+MAX_GRAPH_ROW_TOKENS = 16_384  # captured steps attend over a row with one block-diagonal mask: O(T^2)
+READBACK_STEPS = 10  # captured steps run ahead of the host's reading of their loss (and progress bar)
 
 
 @settings
@@ -334,7 +337,8 @@ class Trainer:
         """Per-Head Muon + AdamW over `groups`, the schedule, the counters and the balance rule; on
         resume the latest checkpoint."""
         settings = self.s
-        self.optimizer = PerHeadMuon(groups, lr=settings.lr, weight_decay=settings.weight_decay)
+        graphs = self._graph_refusal() is None
+        self.optimizer = PerHeadMuon(groups, lr=settings.lr, weight_decay=settings.weight_decay, capturable=graphs)
         self.scheduler = warmup_cosine(self.optimizer, settings.steps, settings.min_lr_ratio)
         self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
         if resume:
@@ -346,6 +350,24 @@ class Trainer:
                 self.balance_rule = "histogram"
                 self.log("balance: quantile -> histogram QB pooled over ranks (DESIGN §6, within one bin of exact)")
             self.balance_reduce = lambda t: all_reduce_sum(t, self.world)
+        self.graphs = None
+        if graphs:
+            self.graphs = GraphStep(self._graph_body, lambda: self.optimizer.zero_grad(set_to_none=True),
+                                    device=self.world.device, pad_id=self.config.pad_token_id, log=self.log)
+        elif getattr(settings, "cuda_graphs", False) and self.world.device.type == "cuda":
+            self.log(f"cuda graphs: off ({self._graph_refusal()}); each step runs eagerly")
+
+    def _graph_refusal(self) -> str | None:
+        """Why this run cannot replay captured steps (None: it can)."""
+        s = self.s
+        reasons = ((not getattr(s, "cuda_graphs", False), "--no-cuda-graphs"),
+                   (self.world.device.type != "cuda", "not on CUDA"),
+                   (self.world.distributed, "under torchrun"),
+                   (s.compile, "--compile"), (s.qat, "--qat"),
+                   (s.batch_size // s.grad_accum * s.seq_len > MAX_GRAPH_ROW_TOKENS,
+                    f"rows over {MAX_GRAPH_ROW_TOKENS:,} tokens: captured MLA attention is dense per row"),
+                   (type(self).train_step is not Trainer.train_step, f"{type(self).__name__} has its own step"))
+        return next((why for bad, why in reasons if bad), None)
 
     def _restore_latest(self) -> None:
         """Model, optimizer, scheduler and counters from the run's latest complete checkpoint."""
@@ -401,7 +423,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.world.device.type == "cuda")
+        # a captured step must not reuse weight casts cached at capture time: no cast cache
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.world.device.type == "cuda",
+                              cache_enabled=getattr(self, "graphs", None) is None)
 
     def _loss_sum(self, batch) -> torch.Tensor:
         with self._autocast():
@@ -423,6 +447,8 @@ class Trainer:
         return self.s.batch_size * self.s.seq_len
 
     def train_step(self) -> dict:
+        if self.graphs is not None:
+            return self._graph_train_step()
         s, world = self.s, self.world
         items, targets = self.step_items()
         per_rank = s.batch_size // world.size
@@ -444,6 +470,38 @@ class Trainer:
         return {"kind": "train", "step": self.step, "loss": float(all_reduce_sum(nll, world)) / targets, "lr": lr,
                 "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3),
                 "step_tokens": step_tokens}
+
+    def _graph_train_step(self) -> dict:
+        """train_step through captured graphs: the record's `stats` (loss, grad norm, max load) stay on
+        the device until the loop reads a few steps' back at once."""
+        s = self.s
+        items, targets = self.step_items()
+        micro = s.batch_size // s.grad_accum
+        batches = [self.pack_items(items[j * micro:(j + 1) * micro]) for j in range(s.grad_accum)]
+        tokens = token_bucket(max(b.input_ids.shape[1] for b in batches))
+        lr = self.scheduler.get_last_lr()[0]
+        out = self.graphs.step(batches, 1.0 / targets, tokens=tokens)
+        stats = torch.stack([out.nll / targets, out.grad_norm, out.max_load])  # a copy the next replay keeps
+        self.scheduler.step()
+        self.step += 1
+        step_tokens = self.global_tokens(sum(b.input_ids.shape[1] for b in batches))
+        self.tokens_seen += step_tokens
+        return {"kind": "train", "step": self.step, "stats": stats, "lr": lr, "tokens": self.tokens_seen,
+                "step_tokens": step_tokens}
+
+    def _graph_body(self, batches, scale: torch.Tensor) -> StepOutputs:
+        """The step a graph captures: forward and backward of each micro-batch, clip, update, balance."""
+        self.model.train()
+        nll = torch.zeros((), device=self.world.device)
+        for batch in batches:
+            loss_sum = self._loss_sum(batch)
+            (loss_sum * scale).backward()
+            nll += loss_sum.detach()
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        self.optimizer.step()
+        loads = max_load(self.model)  # before balance_step, which clears the loads
+        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
+        return StepOutputs(nll, grad_norm, loads.max() if loads is not None else torch.zeros_like(nll))
 
     def optimizer_step(self) -> tuple[torch.Tensor, float, dict]:
         """After the backward passes: clip, step the optimizer and the schedule, apply the
@@ -524,18 +582,19 @@ class Trainer:
         self.elapsed += time.perf_counter() - self._created
         bar = Progress(s.steps, self.step, log=self.log) if self.progress else None
         last_ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        pending: list[dict] = []  # steps whose device-side stats are not read back yet
         try:
             while self.step < s.steps:
                 threads.adapt()  # yield CPU threads to other processes' load (k3/threads.py)
-                t0 = time.perf_counter()
-                record = self.train_step()
-                dt = time.perf_counter() - t0
-                self.elapsed += dt
-                step_tokens = record.pop("step_tokens")
-                record.update(tok_per_s=round(step_tokens / dt), elapsed=round(self.elapsed, 2))
-                self._record([record])
-                if bar is not None:
-                    bar.update(self.step, record)
+                if not pending:
+                    t0 = time.perf_counter()
+                pending.append(self.train_step())
+                due = (len(pending) >= READBACK_STEPS or self.step % s.eval_every == 0
+                       or self.step % s.ckpt_every == 0 or self.step == s.steps)
+                if "stats" in pending[-1] and not due:
+                    continue  # the host packs the next step while the card runs this one
+                self._flush_steps(pending, time.perf_counter() - t0 if "stats" not in pending[-1] else None, t0, bar)
+                pending = []
                 if self.step % s.eval_every == 0 and self.step < s.steps:
                     t1 = time.perf_counter()
                     ev = self.evaluate()
@@ -561,6 +620,24 @@ class Trainer:
             self.write_outputs(records, last_ckpt)
         return {**final, "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt), "samples": samples,
                 "elapsed": self.elapsed}
+
+    def _flush_steps(self, records: list[dict], dt: float | None, t0: float, bar) -> None:
+        """Record steps (and the progress bar): graph steps' device stats are read back in one go,
+        and their time is the window's since `t0`, shared out by tokens."""
+        stats = [r.pop("stats") for r in records if "stats" in r]
+        if stats:
+            values = torch.stack(stats).tolist()  # the one host sync of the window
+            for r, (loss, grad_norm, max_load) in zip(records, values):
+                r.update(loss=loss, grad_norm=grad_norm, max_load=round(max_load, 3))
+            dt = time.perf_counter() - t0
+        tokens = sum(r["step_tokens"] for r in records)
+        for r in records:
+            step_dt = dt * r.pop("step_tokens") / max(tokens, 1)
+            self.elapsed += step_dt
+            r.update(tok_per_s=round(tokens / dt), elapsed=round(self.elapsed, 2))
+        self._record(records)
+        if bar is not None:
+            bar.update(self.step, records[-1])
 
     def save_tokenizer_to(self, folder: Path) -> None:
         """The run's tokenizer, with the chat template when the trainer teaches chat (CHAT_MODEL):

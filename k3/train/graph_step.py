@@ -1,0 +1,146 @@
+"""A whole training step captured as one CUDA graph and replayed (DESIGN §14.5).
+
+A small model's eager step on a GPU is thousands of kernel launches of a few microseconds each:
+the host, not the card, sets the pace (k3-tiny: ~130 ms a step for ~10 ms of kernels). Here the
+step's forward, backward, gradient clipping, optimizer update and expert-balance update are
+recorded once and replayed with one launch. What makes that possible:
+
+- fixed shapes: a step's micro-batches are copied into static buffers of a fixed token count,
+  and each packed row's `cu_seqlens` is padded with zero-length documents to a fixed count (the
+  row's bucket: the next power of two >= its documents, so a handful of graphs serve a run);
+- no host reads inside the step: the ops' host-free paths (k3/ops/host_free.py), a capturable
+  optimizer whose learning rate is a device tensor the schedule fills between replays
+  (k3/train/muon.py), a sync-free balance update (k3/train/balance.py);
+- autocast without its weight-cast cache (a cast cached at capture would be replayed stale);
+- the loss, gradient norm and expert loads stay on the device: the trainer reads them back
+  every few steps, so the host packs the next step while the card runs this one.
+
+A bucket's first step runs eagerly in host-free mode (it warms kernels, autotuning and the
+allocator: a real step, not a throwaway), its second is captured and replayed. The eager
+step, the capture and the replays compute the same numbers (tests/train/test_graph_step_gpu.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from k3.ops.host_free import host_free
+from k3.train.packing import IGNORE_INDEX, PackedBatch
+
+MIN_DOC_BUCKET = 8
+
+
+def doc_bucket(docs: int) -> int:
+    """The padded document count of a row with `docs` documents: a power of two >= MIN_DOC_BUCKET."""
+    return max(MIN_DOC_BUCKET, 1 << max(0, docs - 1).bit_length())
+
+
+def token_bucket(tokens: int) -> int:
+    """The fixed row length for a micro-batch of `tokens`: the next multiple of an eighth of the
+    next power of two (at most 12.5% padding; eight lengths per doubling)."""
+    step = max(1, (1 << max(0, tokens - 1).bit_length()) // 8)
+    return -(-tokens // step) * step
+
+
+def pad_batch(batch: PackedBatch, tokens: int, docs: int, pad_id: int) -> PackedBatch:
+    """`batch` ([1, n] with d documents) as a row of exactly `tokens` tokens and `docs` documents:
+    the pad tokens (if any) form one more document whose labels are ignored, then zero-length
+    documents fill `cu_seqlens` up to `docs + 1` entries."""
+    n = batch.input_ids.shape[1]
+    cu = batch.cu_seqlens
+    if n > tokens:
+        raise ValueError(f"a micro-batch of {n} tokens does not fit the step's {tokens}")
+    ids, labels = batch.input_ids, batch.labels
+    if n < tokens:
+        ids = torch.cat([ids, ids.new_full((1, tokens - n), pad_id)], 1)
+        labels = torch.cat([labels, labels.new_full((1, tokens - n), IGNORE_INDEX)], 1)
+        cu = torch.cat([cu, cu.new_tensor([tokens])])
+    if cu.numel() - 1 > docs:
+        raise ValueError(f"a micro-batch of {cu.numel() - 1} documents does not fit the bucket of {docs}")
+    cu = torch.cat([cu, cu.new_full((docs + 1 - cu.numel(),), tokens)])
+    return PackedBatch(ids, labels, cu)
+
+
+@dataclasses.dataclass
+class StepOutputs:
+    """What a step leaves on the device (0-d tensors, overwritten by the next replay): summed NLL
+    over its targets, the gradient norm before clipping, the largest expert load over its mean."""
+    nll: torch.Tensor
+    grad_norm: torch.Tensor
+    max_load: torch.Tensor
+
+
+class _Graph:
+    """One bucket's static inputs and its captured step."""
+
+    def __init__(self, micro: int, tokens: int, docs: int, device: torch.device):
+        self.inputs = [PackedBatch(torch.zeros(1, tokens, dtype=torch.long, device=device),
+                                   torch.full((1, tokens), IGNORE_INDEX, dtype=torch.long, device=device),
+                                   torch.full((docs + 1,), tokens, dtype=torch.long, device=device))
+                       for _ in range(micro)]
+        self.scale = torch.zeros((), device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: StepOutputs | None = None
+        self.warm = False
+
+    def load(self, batches: list[PackedBatch], scale: float) -> None:
+        for static, b in zip(self.inputs, batches):
+            for dst, src in zip((static.input_ids, static.labels, static.cu_seqlens),
+                                (b.input_ids, b.labels, b.cu_seqlens)):
+                pinned = src.pin_memory() if src.device.type == "cpu" and dst.is_cuda else src
+                dst.copy_(pinned, non_blocking=True)
+        self.scale.fill_(scale)
+
+
+class GraphStep:
+    """Replays captured training steps; `body(batches, scale)` is the step to capture: forward and
+    backward of each micro-batch (loss scaled by the device scalar `scale`), then the update;
+    it returns a StepOutputs (`capture=False`: never capture, run every step eagerly). `zero_grad()` sets every gradient to None (before an eager step
+    or a capture: a captured backward must allocate its gradients, not add to earlier ones)."""
+
+    def __init__(self, body: Callable[[list[PackedBatch], torch.Tensor], StepOutputs],
+                 zero_grad: Callable[[], None], *, device: torch.device, pad_id: int, capture: bool = True,
+                 log=print):
+        self.body, self.zero_grad, self.device, self.pad_id, self.log = body, zero_grad, device, pad_id, log
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        # off CUDA, or with capture=False (the tests' reference), every step runs the same body
+        # eagerly in host-free mode, with the same padding
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and capture else None
+
+    def step(self, batches: list[PackedBatch], scale: float, tokens: int | None = None) -> StepOutputs:
+        """Run one step over `batches` (packed rows on the host); `tokens`: the fixed row length
+        (default: the longest row). Returns device tensors, valid until the next step."""
+        tokens = max(b.input_ids.shape[1] for b in batches) if tokens is None else tokens
+        docs = doc_bucket(max(b.cu_seqlens.numel() - 1 + (b.input_ids.shape[1] < tokens) for b in batches))
+        key = (len(batches), tokens, docs)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = _Graph(len(batches), tokens, docs, self.device)
+        g.load([pad_batch(b, tokens, docs, self.pad_id) for b in batches], scale)
+        if g.graph is not None:
+            g.graph.replay()
+            return g.outputs
+        if self.stream is None:
+            with host_free():
+                self.zero_grad()
+                return self.body(g.inputs, g.scale)
+        # the bucket's first step runs eagerly, the second is captured: both on a side stream,
+        # where capture wants its warm-up (lazy cuBLAS/allocator state stays off the main stream)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream), host_free():
+            self.zero_grad()
+            if not g.warm:
+                out = self.body(g.inputs, g.scale)
+                g.warm = True
+            else:
+                g.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.graph, stream=self.stream):
+                    g.outputs = self.body(g.inputs, g.scale)
+                self.log(f"graph step: captured a step of {len(batches)} x {tokens} tokens, <= {docs} documents a row")
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if g.graph is not None:
+            g.graph.replay()
+            return g.outputs
+        return out
