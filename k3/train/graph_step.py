@@ -30,6 +30,7 @@ from k3.ops.host_free import host_free
 from k3.train.packing import IGNORE_INDEX, PackedBatch
 
 MIN_DOC_BUCKET = 8
+MAX_GRAPHS = 16  # buckets captured per run; steps of further buckets run eagerly (host-free, same numbers)
 
 
 def doc_bucket(docs: int) -> int:
@@ -108,6 +109,7 @@ class GraphStep:
         # off CUDA, or with capture=False (the tests' reference), every step runs the same body
         # eagerly in host-free mode, with the same padding
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and capture else None
+        self.capture_error: str | None = None  # set by a failed capture: no more captures this run
 
     def step(self, batches: list[PackedBatch], scale: float, tokens: int | None = None) -> StepOutputs:
         """Run one step over `batches` (packed rows on the host); `tokens`: the fixed row length
@@ -122,7 +124,8 @@ class GraphStep:
         if g.graph is not None:
             g.graph.replay()
             return g.outputs
-        if self.stream is None:
+        captured = sum(other.graph is not None for other in self.graphs.values())
+        if self.stream is None or self.capture_error is not None or (g.warm and captured >= MAX_GRAPHS):
             with host_free():
                 self.zero_grad()
                 return self.body(g.inputs, g.scale)
@@ -135,10 +138,18 @@ class GraphStep:
                 out = self.body(g.inputs, g.scale)
                 g.warm = True
             else:
-                g.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g.graph, stream=self.stream):
-                    g.outputs = self.body(g.inputs, g.scale)
-                self.log(f"graph step: captured a step of {len(batches)} x {tokens} tokens, <= {docs} documents a row")
+                try:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=self.stream):
+                        g.outputs = self.body(g.inputs, g.scale)
+                    g.graph = graph
+                    self.log(f"cuda graphs: captured a step of {len(batches)} x {tokens} tokens, "
+                             f"<= {docs} documents a row")
+                except (RuntimeError, AssertionError, ValueError) as e:  # nothing ran: this step and the rest run eagerly
+                    self.capture_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    self.log(f"cuda graphs: capture failed ({self.capture_error}); steps run eagerly")
+                    self.zero_grad()
+                    out = self.body(g.inputs, g.scale)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         if g.graph is not None:
             g.graph.replay()

@@ -360,14 +360,14 @@ class Trainer:
     def _graph_refusal(self) -> str | None:
         """Why this run cannot replay captured steps (None: it can)."""
         s = self.s
-        reasons = ((not getattr(s, "cuda_graphs", False), "--no-cuda-graphs"),
-                   (self.world.device.type != "cuda", "not on CUDA"),
-                   (self.world.distributed, "under torchrun"),
-                   (s.compile, "--compile"), (s.qat, "--qat"),
-                   (s.batch_size // s.grad_accum * s.seq_len > MAX_GRAPH_ROW_TOKENS,
-                    f"rows over {MAX_GRAPH_ROW_TOKENS:,} tokens: captured MLA attention is dense per row"),
-                   (type(self).train_step is not Trainer.train_step, f"{type(self).__name__} has its own step"))
-        return next((why for bad, why in reasons if bad), None)
+        checks = ((lambda: not getattr(s, "cuda_graphs", False), "--no-cuda-graphs"),
+                  (lambda: self.world.device.type != "cuda", "not on CUDA"),
+                  (lambda: type(self).train_step is not Trainer.train_step, f"{type(self).__name__} has its own step"),
+                  (lambda: self.world.distributed, "under torchrun"),
+                  (lambda: s.compile, "--compile"), (lambda: s.qat, "--qat"),
+                  (lambda: s.batch_size // s.grad_accum * s.seq_len > MAX_GRAPH_ROW_TOKENS,
+                   f"rows over {MAX_GRAPH_ROW_TOKENS:,} tokens: captured MLA attention is dense per row"))
+        return next((why for bad, why in checks if bad()), None)
 
     def _restore_latest(self) -> None:
         """Model, optimizer, scheduler and counters from the run's latest complete checkpoint."""
