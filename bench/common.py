@@ -70,3 +70,18 @@ def gated_kda_grads(impl: str, leaves: list[torch.Tensor], lower_bound: float | 
                gate=DecayGate(*leaves[6:], lower_bound))
     loss = weights[0] * (o.float() * do).sum() + weights[1] * (s * ds).sum()
     return o, s, *torch.autograd.grad(loss, leaves)
+
+
+def graphed(step):
+    """`step()` captured as a CUDA graph after two eager runs on a side stream (fla's autotuning,
+    cuBLAS handles and the allocator warm off the capture); returns (graph, its static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs

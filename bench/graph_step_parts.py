@@ -13,6 +13,7 @@ import torch
 import triton.testing
 from torch.nn import functional as F
 
+from bench.common import graphed
 from k3.config import load_config
 from k3.model.experts import RoutedExperts
 from k3.ops.host_free import host_free
@@ -47,15 +48,7 @@ def experts(n: int) -> None:
         with host_free():
             step()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            host_free_step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        host_free_step()
+    graph, _ = graphed(host_free_step)
     print(f"routed experts, k3-1b widths (E {cfg.num_experts}, k {cfg.num_experts_per_token}, "
           f"H {cfg.moe_hidden_size}, I {cfg.moe_intermediate_size}), N {n}, fp32, fwd+bwd:")
     for name, fn in (("per-expert loop", step), ("padded bmm, eager", host_free_step),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.common import graphed
 from k3.model.mla import GatedMLA
 from k3.model.transformer import K3ForCausalLM
 from k3.ops import fla_kernels
@@ -29,21 +30,6 @@ ROW_B = [0, 37, 37, 300, 301, 302, 511, 512]
 
 def real(bounds: list[int]) -> torch.Tensor:
     return torch.tensor(sorted(set(bounds)), device="cuda")
-
-
-def graphed(step):
-    """Capture step() after an eager warm-up on a side stream (fla's
-    autotuning, cuBLAS handles); returns (graph, its static outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    return graph, outs
 
 
 def check_capture(run, leaves, name, against_normal=None):
