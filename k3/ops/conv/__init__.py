@@ -17,8 +17,9 @@ Two interchangeable backends, as for the KDA op (k3.ops.kda):
            kernel each with the activation fused; cuDNN's depthwise conv backward is slow at long T.
 "auto" picks fla on CUDA when it imports, else torch.
 In host-free mode (k3.ops.host_free) a packed row takes `masked.py` whatever `impl`, on every
-device (fla's kernel and the reference size their work from the lengths read on the host); it has
-no tails in or out, so asking for them there is an error.
+device (fla's kernel and the reference size their work from the lengths read on the host), tails
+in and out included (a captured serving prefill): `initial_state` then has one tail per entry of
+the fixed-length `cu_seqlens`, and a zero-length document returns its tail unchanged.
 """
 from __future__ import annotations
 
@@ -60,10 +61,7 @@ def causal_conv1d(
         raise ValueError(f"causal_conv1d: initial_state must be [N={N}, C={C}, W-1={W - 1}], "
                          f"got shape {tuple(initial_state.shape)}")
     if cu_seqlens is not None and host_free.active():
-        if initial_state is not None or output_final_state:
-            raise ValueError("causal_conv1d: host-free mode runs packed rows without conv tails "
-                             "(no initial_state, output_final_state=False)")
-        return causal_conv1d_masked(x, weight, cu_seqlens, activation), None
+        return causal_conv1d_masked(x, weight, cu_seqlens, activation, initial_state, output_final_state)
     if impl == "auto":
         impl = "fla" if x.is_cuda and fla_kernels.available() else "torch"
     backend = fla_backend.causal_conv1d_fla if impl == "fla" else causal_conv1d_torch

@@ -31,7 +31,8 @@ In host-free mode (k3.ops.host_free) nothing reads the lengths on the host on CU
 fla whatever the dtype (fp32 too, at TF32 rounding), never "segmented", and fla builds its chunk
 list on the device (`use_graph`, fla_backend.py); a torch backend on CUDA is refused there. On
 the CPU (never captured) "auto" takes chunk, which still reads the lengths, and handles the
-zero-length tail documents as any other.
+zero-length tail documents as any other. Initial and final states work there as outside the mode
+(one per entry of `cu_seqlens`; a zero-length document's state passes through unchanged).
 """
 from __future__ import annotations
 

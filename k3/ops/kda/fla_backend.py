@@ -28,7 +28,9 @@ fla/ops/kda/chunk.py and fused_recurrent.py of 0.6.0):
 - host-free mode (k3.ops.host_free), packed rows: `chunk_kda(use_graph=True, max_num_seqs=N)`,
   fla's fixed-shape chunk list built on the device, made for graph capture with zero-length tail
   documents (fla/ops/kda/chunk.py of 0.6.0). The recurrent kernel sizes its grid by N alone and
-  needs no flag.
+  needs no flag. Initial states come one per entry, [N_max, H, K, V], and final states leave the
+  same way: fla's state kernel runs a zero-length document's loop zero times and stores its
+  initial state as its final one (a captured serving prefill's padding keeps its state).
 """
 from __future__ import annotations
 
