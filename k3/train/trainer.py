@@ -593,7 +593,7 @@ class Trainer:
                        or self.step % s.ckpt_every == 0 or self.step == s.steps)
                 if "stats" in pending[-1] and not due:
                     continue  # the host packs the next step while the card runs this one
-                self._flush_steps(pending, time.perf_counter() - t0 if "stats" not in pending[-1] else None, t0, bar)
+                self._flush_steps(pending, t0, bar)
                 pending = []
                 if self.step % s.eval_every == 0 and self.step < s.steps:
                     t1 = time.perf_counter()
@@ -621,15 +621,15 @@ class Trainer:
         return {**final, "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt), "samples": samples,
                 "elapsed": self.elapsed}
 
-    def _flush_steps(self, records: list[dict], dt: float | None, t0: float, bar) -> None:
-        """Record steps (and the progress bar): graph steps' device stats are read back in one go,
-        and their time is the window's since `t0`, shared out by tokens."""
+    def _flush_steps(self, records: list[dict], t0: float, bar) -> None:
+        """Record steps (and the progress bar): graph steps' device stats are read back in one go;
+        the window's time since `t0` is shared out by tokens."""
         stats = [r.pop("stats") for r in records if "stats" in r]
         if stats:
             values = torch.stack(stats).tolist()  # the one host sync of the window
-            for r, (loss, grad_norm, max_load) in zip(records, values):
-                r.update(loss=loss, grad_norm=grad_norm, max_load=round(max_load, 3))
-            dt = time.perf_counter() - t0
+            for r, (loss, grad_norm, load) in zip(records, values):
+                r.update(loss=loss, grad_norm=grad_norm, max_load=round(load, 3))
+        dt = time.perf_counter() - t0
         tokens = sum(r["step_tokens"] for r in records)
         for r in records:
             step_dt = dt * r.pop("step_tokens") / max(tokens, 1)
