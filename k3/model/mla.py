@@ -25,8 +25,8 @@ batched attention over the padded latent buffer; in a packed row the one-token d
 as one batch and each longer document alone.
 Without a cache a packed row runs one attention per document, except in host-free mode
 (k3.ops.host_free): there it is one attention over the whole row with a block-diagonal causal mask
-built on the device (`_document_mask`), dense [T, T]: O(T^2) time and memory per layer, meant for
-the small models a captured training step serves (rows up to ~16K tokens).
+built on the device (`_document_mask`), dense [T, T] (O(T^2) per layer: rows up to ~16K tokens),
+or [segment, segment] per segment of a row of whole training windows.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ class GatedMLA(nn.Module):
         if state is None and cu_seqlens is None:
             o = self.attend(q, lat, mask=None)
         elif state is None and host_free.active():  # no per-document loop: that needs the bounds on the host
-            o = self.attend(q, lat, _document_mask(cu_seqlens, x.shape[1]))
+            o = self._attend_masked(q, lat, cu_seqlens, host_free.segment())
         elif state is None:
             o = x.new_empty(*x.shape[:2], self.num_heads * self.v_dim)
             for start, end in _bounds(cu_seqlens):
@@ -216,6 +216,16 @@ class GatedMLA(nn.Module):
                 o = self._extend_packed(q, lat, buffer, state.lengths, cu_seqlens)
             state.buffer = buffer
         return self.output(o, x, projs[2])
+
+    def _attend_masked(self, q, lat, cu_seqlens, segment: int | None) -> torch.Tensor:
+        """A packed row [1, T] in one attention with a document mask built on the device; cut into
+        [T / segment, segment] rows when no document crosses a multiple of `segment` (a row of
+        whole training windows: segment^2 per window instead of T^2 per row)."""
+        T = q.shape[1]
+        seg = segment if segment is not None and T % segment == 0 else T
+        o = self.attend(q.reshape(T // seg, seg, *q.shape[2:]), lat.reshape(T // seg, seg, lat.shape[-1]),
+                        _document_mask(cu_seqlens, T, seg))
+        return o.reshape(1, T, o.shape[-1])
 
     def output(self, o: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output o [B, T, H*V] -> [B, T, D]: the sigmoid output gate, then o_proj.
@@ -263,11 +273,13 @@ class GatedMLA(nn.Module):
         return o
 
 
-def _document_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
-    """[1, 1, T, T] bool: query t may attend key s iff both lie in one document and s <= t."""
+def _document_mask(cu_seqlens: torch.Tensor, tokens: int, segment: int) -> torch.Tensor:
+    """[T / segment, 1, segment, segment] bool: within each segment of the row, query t may attend
+    key s iff both lie in one document and s <= t."""
     doc, _ = token_documents(cu_seqlens, tokens)
-    t = torch.arange(tokens, device=cu_seqlens.device)
-    return ((doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None]))[None, None]
+    doc = doc.view(tokens // segment, segment)
+    t = torch.arange(segment, device=cu_seqlens.device)
+    return ((doc[:, :, None] == doc[:, None, :]) & (t[None, :] <= t[:, None]))[:, None]
 
 
 def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:

@@ -23,12 +23,19 @@ def active() -> bool:
     return getattr(_state, "on", False)
 
 
+def segment() -> int | None:
+    """The `segment` of the innermost `host_free(segment=...)`: no document crosses a multiple of
+    it (a row of whole training windows), so attention may run segment by segment."""
+    return getattr(_state, "segment", None) if active() else None
+
+
 @contextlib.contextmanager
-def host_free():
-    """Select the ops' host-free paths for the code inside (nests; thread-local)."""
-    before = active()
-    _state.on = True
+def host_free(segment: int | None = None):
+    """Select the ops' host-free paths for the code inside (nests; thread-local). `segment`: the
+    caller's promise that documents never cross a multiple of it (None: no promise)."""
+    before = active(), getattr(_state, "segment", None)
+    _state.on, _state.segment = True, segment
     try:
         yield
     finally:
-        _state.on = before
+        _state.on, _state.segment = before

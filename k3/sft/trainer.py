@@ -165,6 +165,10 @@ class SFTTrainer(Trainer):
     def pack_items(self, items: list[int]):
         return pack_examples([self.train_examples[i] for i in items])
 
+    def attention_segment(self) -> int | None:
+        """None: conversations are packed end to end, not in fixed windows."""
+        return None
+
     def global_tokens(self, local: int) -> int:
         """Conversations differ in length, so ranks count theirs and add them up."""
         if not self.world.distributed:  # no device round trip: a captured step must not wait on it

@@ -45,6 +45,12 @@ def token_bucket(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
+def windowed(batch: PackedBatch, segment: int) -> bool:
+    """Whether every multiple of `segment` inside the row starts a document (no document crosses one)."""
+    starts = set(batch.cu_seqlens.tolist())
+    return all(m in starts for m in range(segment, batch.input_ids.shape[1], segment))
+
+
 def pad_batch(batch: PackedBatch, tokens: int, docs: int, pad_id: int) -> PackedBatch:
     """`batch` ([1, n] with d documents) as a row of exactly `tokens` tokens and `docs` documents:
     the pad tokens (if any) form one more document whose labels are ignored, then zero-length
@@ -105,18 +111,22 @@ class GraphStep:
                  zero_grad: Callable[[], None], *, device: torch.device, pad_id: int, capture: bool = True,
                  log=print):
         self.body, self.zero_grad, self.device, self.pad_id, self.log = body, zero_grad, device, pad_id, log
-        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.graphs: dict[tuple, _Graph] = {}
         # off CUDA, or with capture=False (the tests' reference), every step runs the same body
         # eagerly in host-free mode, with the same padding
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and capture else None
         self.capture_error: str | None = None  # set by a failed capture: no more captures this run
 
-    def step(self, batches: list[PackedBatch], scale: float, tokens: int | None = None) -> StepOutputs:
+    def step(self, batches: list[PackedBatch], scale: float, tokens: int | None = None,
+             segment: int | None = None) -> StepOutputs:
         """Run one step over `batches` (packed rows on the host); `tokens`: the fixed row length
-        (default: the longest row). Returns device tensors, valid until the next step."""
+        (default: the longest row); `segment`: rows are whole windows of this many tokens (checked
+        here: attention then runs window by window). Returns device tensors, valid until the next step."""
         tokens = max(b.input_ids.shape[1] for b in batches) if tokens is None else tokens
         docs = doc_bucket(max(b.cu_seqlens.numel() - 1 + (b.input_ids.shape[1] < tokens) for b in batches))
-        key = (len(batches), tokens, docs)
+        if segment is not None and not all(windowed(b, segment) for b in batches):
+            segment = None
+        key = (len(batches), tokens, docs, segment)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = _Graph(len(batches), tokens, docs, self.device)
@@ -126,13 +136,13 @@ class GraphStep:
             return g.outputs
         captured = sum(other.graph is not None for other in self.graphs.values())
         if self.stream is None or self.capture_error is not None or (g.warm and captured >= MAX_GRAPHS):
-            with host_free():
+            with host_free(segment):
                 self.zero_grad()
                 return self.body(g.inputs, g.scale)
         # the bucket's first step runs eagerly, the second is captured: both on a side stream,
         # where capture wants its warm-up (lazy cuBLAS/allocator state stays off the main stream)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream), host_free():
+        with torch.cuda.stream(self.stream), host_free(segment):
             self.zero_grad()
             if not g.warm:
                 out = self.body(g.inputs, g.scale)

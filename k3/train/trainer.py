@@ -82,7 +82,7 @@ EVAL_ROW_TOKENS = 4096  # tokens per eval forward (no backward, so rows can be l
 # a default eval reads the whole validation split up to this many tokens (the bundled play is 45,602), so
 # a large user corpus does not spend more time evaluating than training; the same tokens every eval
 MAX_EVAL_TOKENS = 262_144
-MAX_GRAPH_ROW_TOKENS = 16_384  # captured steps attend over a row with one block-diagonal mask: O(T^2)
+MAX_GRAPH_SPAN = 16_384  # captured steps attend with a dense document mask: O(span^2) per window or row
 READBACK_STEPS = 10  # captured steps run ahead of the host's reading of their loss (and progress bar)
 
 
@@ -365,8 +365,8 @@ class Trainer:
                   (lambda: type(self).train_step is not Trainer.train_step, f"{type(self).__name__} has its own step"),
                   (lambda: self.world.distributed, "under torchrun"),
                   (lambda: s.compile, "--compile"), (lambda: s.qat, "--qat"),
-                  (lambda: s.batch_size // s.grad_accum * s.seq_len > MAX_GRAPH_ROW_TOKENS,
-                   f"rows over {MAX_GRAPH_ROW_TOKENS:,} tokens: captured MLA attention is dense per row"))
+                  (lambda: (self.attention_segment() or s.batch_size // s.grad_accum * s.seq_len) > MAX_GRAPH_SPAN,
+                   f"attention spans over {MAX_GRAPH_SPAN:,} tokens: captured MLA attention is dense"))
         return next((why for bad, why in checks if bad()), None)
 
     def _restore_latest(self) -> None:
@@ -471,6 +471,11 @@ class Trainer:
                 "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3),
                 "step_tokens": step_tokens}
 
+    def attention_segment(self) -> int | None:
+        """Rows are whole windows of this many tokens, no document crossing one (None: no such
+        promise): captured steps then attend window by window."""
+        return self.s.seq_len
+
     def _graph_train_step(self) -> dict:
         """train_step through captured graphs: the record's `stats` (loss, grad norm, max load) stay on
         the device until the loop reads a few steps' back at once."""
@@ -480,7 +485,7 @@ class Trainer:
         batches = [self.pack_items(items[j * micro:(j + 1) * micro]) for j in range(s.grad_accum)]
         tokens = token_bucket(max(b.input_ids.shape[1] for b in batches))
         lr = self.scheduler.get_last_lr()[0]
-        out = self.graphs.step(batches, 1.0 / targets, tokens=tokens)
+        out = self.graphs.step(batches, 1.0 / targets, tokens=tokens, segment=self.attention_segment())
         stats = torch.stack([out.nll / targets, out.grad_norm, out.max_load])  # a copy the next replay keeps
         self.scheduler.step()
         self.step += 1

@@ -105,6 +105,21 @@ def test_mla_one_masked_attention_equals_per_document_loop(impl, use_nope):
             assert_rel_close(f"{row.tolist()} grad {n}", r, o, FP32)
 
 
+@pytest.mark.parametrize("impl", ["naive", "absorb"])
+def test_mla_attends_window_by_window_when_no_document_crosses_a_window(impl):
+    """host_free(segment=4): a row of whole 4-token windows attends [4, 4] per window, as the loop."""
+    cfg = small_config(mla_impl=impl)
+    layer = GatedMLA(cfg, 3)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    row = cu(0, 1, 4, 8, 10, 12, 12, 12)  # windows [0,4) [4,8) [8,12); a zero-length tail
+    x = torch.randn(1, 12, cfg.hidden_size)
+    ref = layer(x, cu_seqlens=real(row))
+    with host_free(segment=4), no_host_reads():
+        out = layer(x, cu_seqlens=row)
+    assert_rel_close("y", ref, out, FP32)
+
+
 def test_kda_with_zero_length_documents_equals_recurrence():
     """The CPU chunk path (which may read the lengths) on a padded row = the recurrence on the real
     documents; the op's input checks read nothing in the mode."""

@@ -190,3 +190,15 @@ def test_each_lines_reasoning_effort_is_rendered_into_its_example(pretrained, tm
         assert len(by_effort) == 3  # the effort changes the tokens
     finally:
         trainer.close()
+
+
+def test_sft_through_the_graph_step_trains_as_eager(pretrained, tmp_path, monkeypatch):
+    """Rows padded to token buckets with an ignored pad document (CPU: GraphStep runs its body
+    eagerly in host-free mode); no balance rule, as pad tokens would enter its router statistics."""
+    from k3.train.trainer import Trainer
+
+    common = {"steps": 2, "eval_every": 2, "ckpt_every": 2, "agent_episodes": 0, "balance": "none"}
+    sft(sft_settings(pretrained, tmp_path / "eager", **common))
+    monkeypatch.setattr(Trainer, "_graph_refusal", lambda self: None)
+    sft(sft_settings(pretrained, tmp_path / "graphed", **common))
+    assert losses(tmp_path / "graphed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.train.graph_step import GraphStep, doc_bucket, pad_batch, token_bucket
+from k3.train.graph_step import GraphStep, doc_bucket, pad_batch, token_bucket, windowed
 from k3.train.packing import IGNORE_INDEX, PackedBatch
 from k3.train.trainer import Trainer
 from tests.helpers.train import losses, quiet, tiny_settings
@@ -30,6 +30,12 @@ def test_pad_batch_adds_an_ignored_document_and_empty_ones():
         pad_batch(b, tokens=5, docs=1, pad_id=2)
 
 
+def test_windowed_rows_start_a_document_at_every_window():
+    row = PackedBatch(torch.zeros(1, 12, dtype=torch.long), torch.zeros(1, 12, dtype=torch.long),
+                      torch.tensor([0, 3, 4, 8, 12]))
+    assert windowed(row, 4) and not windowed(row, 3) and windowed(row, 12)
+
+
 def test_graph_body_trains_as_the_eager_step(tmp_path, monkeypatch):
     eager = Trainer(tiny_settings(tmp_path, "eager", steps=4, eval_every=4, ckpt_every=4), progress=False, log=quiet)
     eager.train()
@@ -37,6 +43,7 @@ def test_graph_body_trains_as_the_eager_step(tmp_path, monkeypatch):
     graphed = Trainer(tiny_settings(tmp_path, "graphed", steps=4, eval_every=4, ckpt_every=4), progress=False, log=quiet)
     assert isinstance(graphed.graphs, GraphStep) and graphed.optimizer.capturable
     graphed.train()
+    assert all(key[-1] == 32 for key in graphed.graphs.graphs)  # whole 32-token windows: attended one by one
     assert losses(tmp_path / "graphed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
     for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
