@@ -103,9 +103,10 @@ class _Graph:
 
 class GraphStep:
     """Replays captured training steps; `body(batches, scale)` is the step to capture: forward and
-    backward of each micro-batch (loss scaled by the device scalar `scale`), then the update;
-    it returns a StepOutputs (`capture=False`: never capture, run every step eagerly). `zero_grad()` sets every gradient to None (before an eager step
-    or a capture: a captured backward must allocate its gradients, not add to earlier ones)."""
+    backward of each micro-batch (loss scaled by the device scalar `scale`), then the update; it
+    returns a StepOutputs. `zero_grad()` sets every gradient to None (before an eager step or a
+    capture: a captured backward must allocate its gradients, not add to earlier ones).
+    `capture=False`: never capture, run every step eagerly (the tests' reference)."""
 
     def __init__(self, body: Callable[[list[PackedBatch], torch.Tensor], StepOutputs],
                  zero_grad: Callable[[], None], *, device: torch.device, pad_id: int, capture: bool = True,
@@ -155,7 +156,7 @@ class GraphStep:
                     g.graph = graph
                     self.log(f"cuda graphs: captured a step of {len(batches)} x {tokens} tokens, "
                              f"<= {docs} documents a row")
-                except (RuntimeError, AssertionError, ValueError) as e:  # nothing ran: this step and the rest run eagerly
+                except (RuntimeError, AssertionError, ValueError) as e:  # nothing ran: now eagerly, and later steps
                     self.capture_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     self.log(f"cuda graphs: capture failed ({self.capture_error}); steps run eagerly")
                     self.zero_grad()
