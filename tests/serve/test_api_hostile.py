@@ -353,3 +353,13 @@ def test_openapi_promises_400_with_the_error_schema_and_no_422(server):
             ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
             assert ref.endswith("/ErrorResponse"), (path, status)
     assert set(schema["components"]["schemas"]["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
+
+
+def test_an_oversized_body_sent_whole_gets_a_readable_413(keyed):
+    """The client sends all of it before reading: the gate drains it first, so the connection is
+    not reset under the client with the 413 unread."""
+    too_big = b'{"prompt": "' + b"x" * (2 * SMALL_LIMIT) + b'"}'
+    for _ in range(10):
+        r = httpx.post(keyed.url + "/v1/completions", content=too_big, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

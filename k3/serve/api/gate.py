@@ -5,7 +5,9 @@ A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which wraps `receive
 handler can no longer see the client disconnect). The key is checked from the headers before
 any byte of the body is read, and the body is refused with 413 from its Content-Length or, for a
 chunked body, as soon as what has arrived passes the limit: a hostile client cannot make the
-server buffer or parse more than `max_request_bytes`. A request with both Content-Length and
+server buffer or parse more than `max_request_bytes`. The rest of an oversized body, up to 4x the
+limit, is read and dropped before the 413 goes out, so the client can read it (a socket closed
+with unread bytes is reset, and the reset can discard the response). A request with both Content-Length and
 Transfer-Encoding is a 400 at once (RFC 9112 §6.1 lets a server reject it, and says to close the
 connection after): uvicorn's h11 reads such a body as chunked, so a client that sent it framed by
 its Content-Length was held open, waiting for chunks that never came (and the two framings are
@@ -52,7 +54,7 @@ class RequestGate:
                                              type="authentication_error", code="invalid_api_key"), scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await _reply(_too_large(self.limit), scope, receive, send)
+            return await self._refuse_large(int(length), scope, receive, send)
         chunks, size = [], 0
         while True:  # read the whole body here, bounded, before the app parses anything
             message = await receive()
@@ -60,7 +62,7 @@ class RequestGate:
                 return
             size += len(message.get("body", b""))
             if size > self.limit:
-                return await _reply(_too_large(self.limit), scope, receive, send)
+                return await self._refuse_large(None, scope, receive, send, more=message.get("more_body", False))
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -74,6 +76,22 @@ class RequestGate:
             return await receive()  # then the client's disconnect, as the app expects
 
         await self.app(scope, replay, send)
+
+
+    async def _refuse_large(self, length: int | None, scope, receive, send, more: bool = True) -> None:
+        """413, after reading and dropping the rest of a body of at most `drain_bytes` (nothing is
+        kept): closing a socket with unread bytes makes the kernel reset it, and a client still
+        sending loses the 413 it had not read yet. A longer body is refused at once."""
+        drain_bytes = max(4 * self.limit, 1 << 20)
+        if length is None or length <= drain_bytes:
+            drained = 0
+            while more and drained <= drain_bytes:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left
+                    return
+                drained += len(message.get("body", b""))
+                more = message.get("more_body", False)
+        await _reply(_too_large(self.limit), scope, receive, send)
 
 
 async def _reply(e: APIError, scope, receive, send) -> None:
