@@ -46,7 +46,7 @@ from k3.text.tokenizer import (
     tokenizer_fingerprint,
     train_tokenizer,
 )
-from k3.train.balance import balance_step, expert_loads, max_load
+from k3.train.balance import balance_step, max_load
 from k3.train.chat_start import ChatStart
 from k3.train.errors import TrainError
 from k3.train.graph_step import GraphStep, StepOutputs, token_bucket
@@ -463,12 +463,11 @@ class Trainer:
             loss_sum = self._loss_sum(batch)
             (loss_sum * (world.size / targets)).backward()
             nll += loss_sum.detach()
-        grad_norm, lr, loads = self.optimizer_step()
+        grad_norm, lr, load = self.optimizer_step()
         step_tokens = self.global_tokens(local_tokens)
         self.tokens_seen += step_tokens
-        max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
         return {"kind": "train", "step": self.step, "loss": float(all_reduce_sum(nll, world)) / targets, "lr": lr,
-                "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(max_load, 3),
+                "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "max_load": round(float(load), 3),
                 "step_tokens": step_tokens}
 
     def attention_segment(self) -> int | None:
@@ -502,26 +501,28 @@ class Trainer:
             loss_sum = self._loss_sum(batch)
             (loss_sum * scale).backward()
             nll += loss_sum.detach()
+        return StepOutputs(nll, *self._update())
+
+    def _update(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, step the optimizer, apply the expert-balance rule (DESIGN §6). Returns the gradient
+        norm and the step's largest expert load over its mean (0 without MoE layers), both on the
+        device: nothing is read back here, so a captured step runs it too."""
         grad_norm = clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
         self.optimizer.step()
         loads = max_load(self.model)  # before balance_step, which clears the loads
         balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
-        return StepOutputs(nll, grad_norm, loads.max() if loads is not None else torch.zeros_like(nll))
+        return grad_norm, loads.max() if loads is not None else torch.zeros_like(grad_norm)
 
-    def optimizer_step(self) -> tuple[torch.Tensor, float, dict]:
-        """After the backward passes: clip, step the optimizer and the schedule, apply the
-        expert-balance rule (DESIGN §6), count the step. Returns the gradient norm, the step's learning
-        rate and the experts' loads of the step."""
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
+    def optimizer_step(self) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """After the backward passes: the update (`_update`), then the schedule, and count the step.
+        Returns the gradient norm, the step's learning rate and its largest expert load over the mean."""
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        grad_norm, load = self._update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loads = expert_loads(self.model)
-        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
         self.step += 1
-        return grad_norm, lr, loads
+        return grad_norm, lr, load
 
     # ------------------------------------------------------------------ eval and samples
     @torch.no_grad()

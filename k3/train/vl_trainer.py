@@ -288,16 +288,15 @@ class VLTrainer(Trainer):
             (loss * world.size).backward()  # FSDP averages gradients over ranks
             sums += torch.stack([text_sum.detach().double(), vl_sum.detach().double(),
                                  torch.tensor(batch.input_ids.shape[1], dtype=torch.float64, device=device)])
-        grad_norm, lr, loads = self.optimizer_step()
+        grad_norm, lr, load = self.optimizer_step()
         text_nll, vl_nll, tokens = all_reduce_sum(sums, world).tolist()
         tokens = int(tokens)
         self.tokens_seen += tokens
         text_loss = text_nll / text_targets
         image_loss = vl_nll / vl_answers
-        max_load = max((float(l.max()) / max(float(l.float().mean()), 1e-9) for l in loads.values()), default=0.0)
         return {"kind": "train", "step": self.step, "loss": text_loss + s.vl_loss_weight * image_loss,
                 "text_loss": text_loss, "image_loss": image_loss, "lr": lr, "grad_norm": float(grad_norm),
-                "tokens": self.tokens_seen, "images": len(docs), "max_load": round(max_load, 3), "step_tokens": tokens}
+                "tokens": self.tokens_seen, "images": len(docs), "max_load": round(float(load), 3), "step_tokens": tokens}
 
     # ------------------------------------------------------------------ held-out questions
     def _prompt(self, example: corpus.Example, blank: bool):
