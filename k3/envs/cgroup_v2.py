@@ -19,7 +19,14 @@ import os
 from pathlib import Path
 
 from k3.envs.errors import SandboxError
-from k3.envs.limits import control_counter, kill_until_empty, read_control, remove_cgroup, write_control
+from k3.envs.limits import (
+    SandboxCgroup,
+    control_counter,
+    kill_until_empty,
+    read_control,
+    remove_cgroup,
+    write_control,
+)
 
 NEEDED = ("memory", "pids")  # without these, no v2 limits; cpu (for cpu.max) is used when offered
 MOUNTINFO, PROC_CGROUP = Path("/proc/self/mountinfo"), Path("/proc/self/cgroup")
@@ -69,9 +76,9 @@ def delegate(own: Path, prefix: str, pid: int | None = None) -> tuple[Path | Non
     return own, ""
 
 
-class SandboxCgroupV2:
-    """One sandbox's v2 group under D (see the module docstring); the same interface as the v1
-    SandboxCgroup of k3/envs/limits.py."""
+class SandboxCgroupV2(SandboxCgroup):
+    """One sandbox's v2 group under D (see the module docstring): the v1 SandboxCgroup of
+    k3/envs/limits.py with v2's files (its end_exec is shared)."""
 
     def __init__(self, parents: dict[str, Path], name: str, limits):
         self.group = parents["unified"] / name
@@ -118,12 +125,6 @@ class SandboxCgroupV2:
     def kill_all(self) -> None:
         """SIGKILL every process in the sandbox and wait until none is left."""
         kill_until_empty(self.procs, self.group, self.group / "cgroup.kill")
-
-    def end_exec(self) -> None:
-        self.kill_all()
-        if self._exec is not None:
-            remove_cgroup(self._exec)
-            self._exec = None
 
     def remove(self) -> None:
         self.end_exec()

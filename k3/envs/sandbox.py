@@ -363,7 +363,7 @@ class Sandbox:
                               wall_s=time.monotonic() - start, cpu_s=cpu_s)
 
     def _pump(self, proc: subprocess.Popen, stdin: bytes | None, deadline: float, cap: int,
-              cg: SandboxCgroup | SandboxCgroupV2 | None, before: tuple[int, int, int] | None,
+              cg: SandboxCgroup | None, before: tuple[int, int, int] | None,
               disk_room: int) -> tuple[_Capture, _Capture, str | None]:
         """Feed stdin and drain both outputs without blocking, until the command's outputs close,
         watching the wall clock, the sandbox's CPU time, pid-limit hits and its disk use."""
@@ -405,7 +405,7 @@ class Sandbox:
             sel.close()
         return out, err, reason
 
-    def _over_limit(self, now: float, deadline: float, cg: SandboxCgroup | SandboxCgroupV2 | None,
+    def _over_limit(self, now: float, deadline: float, cg: SandboxCgroup | None,
                     before: tuple[int, int, int] | None) -> str | None:
         if now >= deadline:
             return "timeout"

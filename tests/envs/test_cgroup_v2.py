@@ -49,7 +49,9 @@ def test_delegation_moves_only_this_process_and_enables_the_controllers(tmp_path
 
 
 def test_sandbox_group_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(v2, "remove_cgroup", lambda d: shutil.rmtree(d, ignore_errors=True))  # the kernel's files go with it
+    remove = lambda d: shutil.rmtree(d, ignore_errors=True)  # the kernel's files go with a group
+    monkeypatch.setattr(v2, "remove_cgroup", remove)
+    monkeypatch.setattr("k3.envs.limits.remove_cgroup", remove)  # end_exec is the v1 class's
     parent = fake_cgroup(tmp_path / "d")
     (parent / "cgroup.subtree_control").write_text("memory pids cpu\n")
     cg = v2.SandboxCgroupV2({"unified": parent}, "k3-envs-1-ab-cd", Limits(memory_bytes=64 << 20, processes=32, cpus=0.5))
