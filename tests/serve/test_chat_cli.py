@@ -15,19 +15,14 @@ from k3.checkpoint.official import save_pretrained
 from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
 from k3.text.tokenizer import save_tokenizer, train_tokenizer
+from tests.helpers.train import random_tiny_run
 from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A run folder laid out as `k3 train` writes it (pretraining: no chat template)."""
-    tokenizer = train_tokenizer(["The quick brown fox jumps over the lazy dog."] * 4, 300)
-    torch.manual_seed(0)
-    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size()))
-    step = tmp_path_factory.mktemp("run") / "checkpoints" / "step_0000001"
-    save_pretrained(model, step)
-    save_tokenizer(tokenizer, step)
-    return step.parent.parent
+    return random_tiny_run(tmp_path_factory.mktemp("run"))
 
 
 def chat(capsys, monkeypatch, argv: list[str], lines: list[str]) -> tuple[int, str, str]:
