@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from k3.text.xtml_markup import json_compact
-from k3.text.xtml_parser import Reply
+from k3.text.xtml_parser import Reply, TokenStreamParser
 
 TOOL_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>")
@@ -45,7 +45,7 @@ def _call_name(header: str) -> str:
     return head if sep and tail.isdigit() else name
 
 
-class TemplateReplyParser:
+class TemplateReplyParser(TokenStreamParser):
     """Feed it reply ids as they come; it returns the events each piece completes."""
 
     def __init__(self, token_bytes: list[bytes], stop_ids: Sequence[int], markers: ToolMarkerIds | None,
@@ -58,19 +58,6 @@ class TemplateReplyParser:
         self._header, self._args = bytearray(), bytearray()
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._calls = 0
-
-    def feed(self, ids: Sequence[int]) -> list:
-        for i in ids:
-            if self._mode == "done":
-                break
-            self._step(int(i))
-        return self._take()
-
-    def finish(self) -> list:
-        """The reply ended: at a stop token (already handled), or cut short."""
-        if self._mode != "done":
-            self._end(stopped=False)
-        return self._take()
 
     @property
     def reply(self) -> Reply:

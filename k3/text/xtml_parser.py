@@ -77,6 +77,27 @@ def _typed_value(raw: bytes, kind: str):
     return value
 
 
+class TokenStreamParser:
+    """What the reply parsers share (this one and k3/text/template_reply.py's): ids in as they come,
+    the events each piece completes out. A subclass steps one id (`_step`), ends the reply (`_end`),
+    hands out the pending events (`_take`) and sets `_mode` to "done" at the end."""
+
+    _mode: str
+
+    def feed(self, ids: Sequence[int]) -> list:
+        for i in ids:
+            if self._mode == "done":
+                break  # a reply ends at its stop token
+            self._step(int(i))
+        return self._take()
+
+    def finish(self) -> list:
+        """The reply ended: at a stop token (already handled), or cut short (max tokens)."""
+        if self._mode != "done":
+            self._end(stopped=False)
+        return self._take()
+
+
 class _Frame:
     """An open element of the reply. A call frame holds the call being read; an argument or json
     frame collects its value's bytes."""
@@ -92,7 +113,7 @@ class _Frame:
         self.pos = 0
 
 
-class ReplyParser:
+class ReplyParser(TokenStreamParser):
     """Incremental parser of one assistant reply, over token ids. Feed it ids as they come; it
     returns the events each piece completes. See the module docstring for the events."""
 
@@ -121,20 +142,7 @@ class ReplyParser:
             if opened == "call":
                 self._start_call({"tool": forced_tool, "index": "1"})
 
-    # ---- input
-
-    def feed(self, ids: Sequence[int]) -> list:
-        for i in ids:
-            if self._mode == "done":
-                break  # a reply ends at its stop token
-            self._step(int(i))
-        return self._take()
-
-    def finish(self) -> list:
-        """The reply ended: at a stop token (already handled), or cut short (max tokens)."""
-        if self._mode != "done":
-            self._end(stopped=False)
-        return self._take()
+    # ---- input (feed, finish: TokenStreamParser)
 
     def _step(self, i: int) -> None:
         if i == self._sep and self._mode in ("open", "close"):
