@@ -337,7 +337,8 @@ class Trainer:
         """Per-Head Muon + AdamW over `groups`, the schedule, the counters and the balance rule; on
         resume the latest checkpoint."""
         settings = self.s
-        graphs = self._graph_refusal() is None
+        refusal = self._graph_refusal()
+        graphs = refusal is None
         self.optimizer = PerHeadMuon(groups, lr=settings.lr, weight_decay=settings.weight_decay, capturable=graphs)
         self.scheduler = warmup_cosine(self.optimizer, settings.steps, settings.min_lr_ratio)
         self.step, self.elapsed, self.tokens_seen = 0, 0.0, 0
@@ -355,7 +356,7 @@ class Trainer:
             self.graphs = GraphStep(self._graph_body, lambda: self.optimizer.zero_grad(set_to_none=True),
                                     device=self.world.device, pad_id=self.config.pad_token_id, log=self.log)
         elif getattr(settings, "cuda_graphs", False) and self.world.device.type == "cuda":
-            self.log(f"cuda graphs: off ({self._graph_refusal()}); each step runs eagerly")
+            self.log(f"cuda graphs: off ({refusal}); each step runs eagerly")
 
     def _graph_refusal(self) -> str | None:
         """Why this run cannot replay captured steps (None: it can)."""
