@@ -85,3 +85,20 @@ def graphed(step):
     with torch.cuda.graph(graph):
         outs = step()
     return graph, outs
+
+
+def random_tiny_run(folder, texts: list[str] | None = None):
+    """A run folder laid out as `k3 train` writes it (pretraining: no chat template), with one
+    checkpoint of k3-tiny's random weights (seed 0) over a 300-token tokenizer trained on `texts`."""
+    from k3.checkpoint.official import save_pretrained
+    from k3.config import load_config
+    from k3.model.transformer import K3ForCausalLM
+    from k3.text.tokenizer import save_tokenizer, train_tokenizer
+
+    tokenizer = train_tokenizer(texts or ["The quick brown fox jumps over the lazy dog."] * 4, 300)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size()))
+    step = folder / "checkpoints" / "step_0000001"
+    save_pretrained(model, step)
+    save_tokenizer(tokenizer, step)
+    return folder

@@ -44,20 +44,9 @@ WORDS = ["apple", "river", "stone", "cloud", "green", "quick", "lazy", "brown", 
 
 
 def tiny_run(folder: Path) -> Path:
-    import torch
+    from bench.common import random_tiny_run  # torch only here: the router side of the bench runs without it
 
-    from k3.checkpoint.official import save_pretrained
-    from k3.config import load_config
-    from k3.model.transformer import K3ForCausalLM
-    from k3.text.tokenizer import save_tokenizer, train_tokenizer
-
-    tok = train_tokenizer([" ".join(WORDS)] * 4, 300)
-    torch.manual_seed(0)
-    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tok.get_vocab_size()))
-    step = folder / "checkpoints" / "step_0000001"
-    save_pretrained(model, step)
-    save_tokenizer(tok, step)
-    return folder
+    return random_tiny_run(folder, [" ".join(WORDS)] * 4)
 
 
 def wait_up(url: str, proc: subprocess.Popen | None = None, timeout: float = 180) -> None:

@@ -5,13 +5,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-import torch
-
-from k3.checkpoint.official import save_pretrained
 from k3.config import load_config
 from k3.data.corpus import load_documents
-from k3.model.transformer import K3ForCausalLM
-from k3.text.tokenizer import save_tokenizer, train_tokenizer
 from k3.train.trainer import Trainer, TrainSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,15 +53,3 @@ def trained_tiny_run(root: Path, steps: int = 2) -> Path:
     finally:
         trainer.close()
     return root / "run"
-
-
-def random_tiny_run(root: Path) -> Path:
-    """A run folder laid out as `k3 train` writes it (pretraining: no chat template), with one
-    checkpoint of k3-tiny's random weights (seed 0) over a small tokenizer."""
-    tokenizer = train_tokenizer(["The quick brown fox jumps over the lazy dog."] * 4, 300)
-    torch.manual_seed(0)
-    model = K3ForCausalLM(load_config("k3-tiny").replace(vocab_size=tokenizer.get_vocab_size()))
-    step = root / "checkpoints" / "step_0000001"
-    save_pretrained(model, step)
-    save_tokenizer(tokenizer, step)
-    return root

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
+from bench.common import random_tiny_run
 from k3.route.replicas import free_port
-from tests.helpers.train import random_tiny_run
 
 pytestmark = pytest.mark.slow
 

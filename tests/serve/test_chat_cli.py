@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
+from bench.common import random_tiny_run
 from k3.checkpoint.official import save_pretrained
 from k3.config import load_config
 from k3.model.transformer import K3ForCausalLM
 from k3.text.tokenizer import save_tokenizer, train_tokenizer
-from tests.helpers.train import random_tiny_run
 from tests.serve.fakes import one_torch_thread  # noqa: F401 (autouse fixture)
 
 
