@@ -73,17 +73,23 @@ def gated_kda_grads(impl: str, leaves: list[torch.Tensor], lower_bound: float | 
 
 
 def graphed(step):
-    """`step()` captured as a CUDA graph after two eager runs on a side stream (fla's autotuning,
-    cuBLAS handles and the allocator warm off the capture); returns (graph, its static outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    """`step()` captured as a CUDA graph after two eager runs (fla's autotuning, cuBLAS handles and
+    the allocator warm off the capture); returns (graph, its static outputs). Warm-up and capture
+    share one stream that is not the legacy default one: the current stream when it already is
+    such a stream, else a new one. Autograd remembers the stream each leaf's gradient was first
+    accumulated on; a backward captured on another stream makes that stream wait on the capture
+    and fails it ("legacy stream depend on a capturing blocking stream"), so a caller whose leaves
+    ran backward before runs everything on one side stream (tests.helpers.gpu.side_stream)."""
+    current = torch.cuda.current_stream()
+    stream = current if current != torch.cuda.default_stream() else torch.cuda.Stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
         for _ in range(2):
             step()
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         outs = step()
+    current.wait_stream(stream)
     return graph, outs
 
 

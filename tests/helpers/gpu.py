@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -15,6 +16,17 @@ from tests.helpers import rel_err
 FP32_TOL = 1e-4  # fp32 paths against their fp32 reference (RMSE ratio), outputs and gradients alike
 BF16_TOL = 1e-2  # bf16 paths against the fp32 reference on the same bf16-rounded values
 EXACT = 1e-6  # what must not move at all (causality, graph replay = eager)
+
+
+@pytest.fixture
+def side_stream():
+    """Run the test on one CUDA stream that is not the legacy default one, so warm-up, eager
+    backward passes and a capture all see the same stream (bench.common.graphed says why)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield stream
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 def gpu_config() -> K3Config:
