@@ -27,6 +27,7 @@ from typing import Any
 from k3.train.muon import OPTIMIZERS
 
 BALANCE_RULES = ("quantile", "histogram", "sign", "none")
+PRECISIONS = ("bf16", "fp32")  # CUDA compute; the CPU computes in fp32 whatever is set
 # a flag's type from its field's annotation (postponed annotations: strings); a string flag takes argparse's own
 _FLAG_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "str": None, "str | None": None}
 RESUME_HELP = "continue a run from its latest checkpoint, with its saved settings"
@@ -129,6 +130,9 @@ class OptimizerSettings:
     qat: bool = option(False, "quantization-aware training: MXFP4 weights / MXFP8 activations on the routed experts")
     compile: bool = option(False, "torch.compile each layer's norms, mixer and FFN and the AttnRes reads (worth it "
                                   "on CUDA; minutes of compiling first)")
+    precision: str = option(PRECISIONS[0], "compute on CUDA: bf16 autocast over fp32 weights, or fp32 throughout "
+                                          "(slower; what the CPU computes, to tell a precision effect apart)",
+                            choices=PRECISIONS)
     cuda_graphs: bool = option(True, "on one CUDA device, capture each training step (forward, backward, update) "
                                      "as a CUDA graph and replay it: small models stop being launch-bound "
                                      "(DESIGN §14.5; ignored on CPU, under torchrun, --compile and --qat)")

@@ -425,8 +425,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _autocast(self):
         # a captured step must not reuse weight casts cached at capture time: no cast cache
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.world.device.type == "cuda",
-                              cache_enabled=getattr(self, "graphs", None) is None)
+        bf16 = self.world.device.type == "cuda" and getattr(self.s, "precision", "bf16") == "bf16"
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=getattr(self, "graphs", None) is None)
 
     def _loss_sum(self, batch) -> torch.Tensor:
         with self._autocast():

@@ -241,5 +241,5 @@ def test_an_old_run_json_still_loads(verb, tmp_path):
         expected["sample_prompts"] = tuple(expected["sample_prompts"])
     assert {k: getattr(s, k) for k in expected} == expected
     assert s.optimizer == "per-head-muon"  # an SFT run.json from before the flag: the optimizer it ran with
-    newer = {"optimizer", "sandboxes", "sandbox_memory_mb", "cuda_graphs"}  # fields added since, at their defaults
+    newer = {"optimizer", "sandboxes", "sandbox_memory_mb", "cuda_graphs", "precision"}  # fields added since, at their defaults
     assert {f.name for f in dataclasses.fields(s)} - set(record) <= newer
