@@ -135,7 +135,7 @@ class OptimizerSettings:
                             choices=PRECISIONS)
     cuda_graphs: bool = option(True, "on one CUDA device, capture each training step (forward, backward, update) "
                                      "as a CUDA graph and replay it: small models stop being launch-bound "
-                                     "(DESIGN §14.5; ignored on CPU, under torchrun, --compile and --qat)")
+                                     "(DESIGN §14.5; ignored on CPU, under torchrun and --qat)")
 
 
 @settings

@@ -365,7 +365,7 @@ class Trainer:
                   (lambda: self.world.device.type != "cuda", "not on CUDA"),
                   (lambda: type(self).train_step is not Trainer.train_step, f"{type(self).__name__} has its own step"),
                   (lambda: self.world.distributed, "under torchrun"),
-                  (lambda: s.compile, "--compile"), (lambda: s.qat, "--qat"),
+                  (lambda: s.qat, "--qat"),
                   (lambda: (self.attention_segment() or s.batch_size // s.grad_accum * s.seq_len) > MAX_GRAPH_SPAN,
                    f"attention spans over {MAX_GRAPH_SPAN:,} tokens: captured MLA attention is dense"))
         return next((why for bad, why in checks if bad()), None)

@@ -47,3 +47,24 @@ def test_graph_body_trains_as_the_eager_step(tmp_path, monkeypatch):
     assert losses(tmp_path / "graphed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
     for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # dynamo traces every region kind: ~20 s on 2 cores
+def test_graph_body_with_compiled_regions_trains_as_the_eager_step(tmp_path, monkeypatch):
+    """`--compile` with captured steps: the regions (traced here by dynamo's "eager" backend, in
+    seconds; inductor's kernels are the GPU's business) run inside the host-free padded body."""
+    from k3.regional_compile import compile_regions
+    from k3.train import transforms
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(transforms, "compile_regions", lambda model: compile_regions(model, backend="eager"))
+    eager = Trainer(tiny_settings(tmp_path, "eager", steps=3, eval_every=3, ckpt_every=3), progress=False, log=quiet)
+    eager.train()
+    monkeypatch.setattr(Trainer, "_graph_refusal", lambda self: None)  # CPU: GraphStep runs its body eagerly
+    graphed = Trainer(tiny_settings(tmp_path, "graphed", steps=3, eval_every=3, ckpt_every=3, compile=True),
+                      progress=False, log=quiet)
+    assert isinstance(graphed.graphs, GraphStep)
+    graphed.train()
+    assert losses(tmp_path / "graphed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
+    for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
