@@ -86,7 +86,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay lasting decode batches from CUDA graphs (CUDA + grouped_mm experts only)
     # torch.compile backend for each layer's norms, mixer, FFN and AttnRes reads (k3.regional_compile),
-    # or None; "inductor" fuses the small kernels of a decode step (the first steps of each shape compile)
+    # or None; "inductor" fuses the small kernels of a decode step (the first steps of each shape
+    # compile). Decode steps only: packed (prefill) steps run the regions eagerly, since their shapes
+    # change every step and compiling them raised TTFT (docs/LOG.md "Serving engine")
     compile: str | None = None
     # each mixer's projections of its input as one GEMM (k3.model.fusion): fewer launches per step,
     # parameters and memory unchanged; applied before compile and CUDA-graph capture
@@ -212,7 +214,7 @@ class LLMEngine:
                                    max_num_encoder_tokens=config.max_num_encoder_tokens, admission=admission)
         self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs,
                                   speculator=speculator, vision=self.vision, sampler=sampler,
-                                  num_host_pages=host_pages)
+                                  num_host_pages=host_pages, eager_packed=bool(config.compile))
         self.eos_token_id = model.config.eos_token_id
         # reentrant: abort() may run from a finalizer (gc) on any thread, even the engine thread
         # while it holds the lock (it then reads nothing mid-step: `_stepping`)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -85,9 +86,12 @@ class _RequestMedia:
 class ModelRunner:
     def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
                  cuda_graphs: bool = True, speculator: Speculator | None = None, vision=None,
-                 sampler: Sampler | None = None, num_host_pages: int = 0):
+                 sampler: Sampler | None = None, num_host_pages: int = 0, eager_packed: bool = False):
         """`sampler`: the Sampler to pick tokens with (default: a `Sampler(seed)`). `num_host_pages`:
-        the prefix cache's host tier (k3/serve/page_transfer.py), 0 for none."""
+        the prefix cache's host tier (k3/serve/page_transfer.py), 0 for none. `eager_packed`: run
+        packed forwards with compiled regions eagerly (`torch.compiler.set_stance("force_eager")`):
+        a packed step's shapes change every step, so compiling them costs more than it saves, while
+        a decode step's few shapes compile once and replay fused."""
         self.model = model
         # a K3ForConditionalGeneration around `model`: it encodes the images of requests that have
         # some (add_media), each once, and their rows replace the placeholders' embeddings
@@ -100,6 +104,7 @@ class ModelRunner:
         self.speculator = speculator
         self.spec_counts: Counter[str] = Counter()
         self.config = model.config
+        self._packed_stance = (lambda: torch.compiler.set_stance("force_eager")) if eager_packed else nullcontext
         self.layout = layout
         self.device = next(model.parameters()).device
         if layout.dtype != next(model.parameters()).dtype:
@@ -381,8 +386,9 @@ class ModelRunner:
         extra = {} if self.speculator is None else {"hidden_out": []}  # the draft reads the target's depth
         embeds = self._embed(ids, starts, media) if media else None  # image rows over their placeholders
         tokens = {"input_ids": ids[None]} if embeds is None else {"inputs_embeds": embeds[None]}
-        kept_logits = self.model(**tokens, cu_seqlens=cu, cache=cache, **extra,
-                                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))[0]
+        with self._packed_stance():
+            kept_logits = self.model(**tokens, cu_seqlens=cu, cache=cache, **extra,
+                                     logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))[0]
         hidden_out = extra.get("hidden_out")
         sampled = {}
         for n in spec:
@@ -457,8 +463,9 @@ class ModelRunner:
         starts = [0] + list(itertools.accumulate(len(run) for run in runs))
         ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
         hidden_out: list = []
-        logits = self.model(ids[None], cu_seqlens=torch.tensor(starts, device=self.device), cache=cache,
-                            hidden_out=hidden_out)[0]
+        with self._packed_stance():
+            logits = self.model(ids[None], cu_seqlens=torch.tensor(starts, device=self.device), cache=cache,
+                                hidden_out=hidden_out)[0]
         sampled = {}
         for n, r in enumerate(requests):
             proposal = proposals.get(r.request_id, Proposal([], None))

@@ -135,17 +135,31 @@ def test_models_of_one_mixer_kind_serve_like_generate(model, prompts, layers):
     assert engine.generate(prompts, GREEDY) == generate(one_kind, prompts, 4)
 
 
-@pytest.mark.slow  # dynamo traces every region for each batch shape: ~13 s on 2 cores
 def test_compiled_regions_change_no_token(model, prompts, reference, caplog):
-    """EngineConfig.compile traces the norms, mixers, FFNs and AttnRes reads (the eager backend keeps
-    this fast on CPU: what is checked is that serving through dynamo's graphs, prefill and decode,
-    with every batch shape the scheduler makes, yields the same tokens, and that no region exhausts
-    its recompiles and silently falls back to eager). In the default run, tests/test_compile.py
-    checks the traced regions against eager (training, and decode writing the cache in place)."""
-    engine = LLMEngine(copy.deepcopy(model), EngineConfig(block_size=4, hash_block_size=8, compile="eager"))
+    """EngineConfig.compile traces the norms, mixers, FFNs and AttnRes reads for decode steps (a
+    recording backend that runs dynamo's graphs as they are: fast on CPU), packed steps run the
+    same regions eagerly: the tokens are unchanged, every traced region saw one-token rows only,
+    and no region exhausts its recompiles and silently falls back to eager. In the default run,
+    tests/test_compile.py checks the traced regions against eager (training, and decode writing the
+    cache in place)."""
+    TRACED.clear()
+    if "k3_record_shapes" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_record_shapes, name="k3_record_shapes")
+    engine = LLMEngine(copy.deepcopy(model), EngineConfig(block_size=4, hash_block_size=8, compile="k3_record_shapes"))
     with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
         assert engine.generate(prompts, GREEDY) == reference
     assert not recompile_limit_hits(caplog)
+    rows = [s for s in TRACED if len(s) == 3 and s[-1] == model.config.hidden_size]  # hidden states [B, T, D]
+    assert engine.runner.step_counts["packed"] and rows and {s[1] for s in rows} == {1}, rows
+
+
+TRACED: list[tuple[int, ...]] = []  # the input shapes of every graph dynamo handed _record_shapes
+
+
+def _record_shapes(gm, example_inputs):
+    """A torch.compile backend that runs dynamo's graph as traced, noting its tensor inputs' shapes."""
+    TRACED.extend(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
+    return gm.forward
 
 
 def test_requests_leaving_and_joining_mid_decode_keep_every_output_exact(model, prompts):
