@@ -22,7 +22,9 @@ Two attention paths over the same weights (config.mla_impl):
   dims (N+R, V instead of L+R, L) on the flash backend.
 With a cache (k3/model/cache.py MLAState), a uniform batch [B, T] continues its B sequences in one
 batched attention over the padded latent buffer; in a packed row the one-token documents attend
-as one batch and each longer document alone.
+as one batch and each longer document alone. In host-free mode (a captured serving step) the
+packed row's hints `decode_rows` and `chunk` fix the shapes instead: the decode rows as one [d, 1]
+batch, the rest as a padded [N - d, chunk] grid, each against its whole buffer row, masked.
 Without a cache a packed row runs one attention per document, except in host-free mode
 (k3.ops.host_free): there it is one attention over the whole row with a block-diagonal causal mask
 built on the device (`_document_mask`), dense [T, T] (O(T^2) per layer: rows up to ~16K tokens),
@@ -212,6 +214,9 @@ class GatedMLA(nn.Module):
             buffer = state.buffer.clone() if torch.is_grad_enabled() else state.buffer
             if cu_seqlens is None:
                 o = self._extend_uniform(q, lat, buffer, state.lengths)
+            elif host_free.active():  # a captured serving step: no lengths on the host, fixed shapes
+                o = self._extend_packed_host_free(q, lat, buffer, state.lengths, cu_seqlens,
+                                                  host_free.chunk(), host_free.decode_rows())
             else:
                 o = self._extend_packed(q, lat, buffer, state.lengths, cu_seqlens)
             state.buffer = buffer
@@ -271,6 +276,38 @@ class GatedMLA(nn.Module):
             o[:, start:end] = self.attend(q[:, start:end], buffer[n:n + 1, :S].to(lat.dtype), mask)
         lengths += cu_seqlens.diff().to(lengths)
         return o
+
+    def _extend_packed_host_free(self, q, lat, buffer, lengths, cu_seqlens, chunk: int | None,
+                                 decode_rows: int):
+        """`_extend_packed` with no host read and shapes fixed by the tensors' and the hints' alone
+        (k3.ops.host_free): document n continues cache row n, a zero-length one leaves it as it
+        was. The first `decode_rows` documents (at most one token each) attend as one [d, 1] batch,
+        the others as a padded [N - d, chunk] grid of queries (chunk None: T), every query against
+        its whole buffer row with a mask by the device lengths. Pad tokens at the row's end must be
+        a last document whose row is the caller's scratch: they are written and attended like any."""
+        T, N, d = q.shape[1], buffer.shape[0], decode_rows
+        if d > N:
+            raise ValueError(f"MLA layer {self.layer_idx}: decode_rows={d} but the cache holds {N} sequences")
+        chunk = T if chunk is None else chunk
+        doc, offset = token_documents(cu_seqlens, T)
+        past = lengths.clone()  # before this step: the mask's base
+        buffer[doc, past[doc] + offset] = lat[0].to(buffer.dtype)
+        keys = torch.arange(buffer.shape[1], device=q.device)
+        starts = cu_seqlens[:-1].clamp(max=T - 1)  # a zero-length document's slots read any token, then are dropped
+        outs = []
+        if d:
+            mask = keys <= past[:d, None, None, None]  # [d, 1, 1, S]
+            outs.append(self.attend(q[0, starts[:d], None], buffer[:d].to(lat.dtype), mask).flatten(0, 1))
+        if d < N:
+            j = torch.arange(chunk, device=q.device)
+            slots = (starts[d:, None] + j).clamp(max=T - 1)  # [N - d, chunk] token of each query slot
+            mask = keys <= (past[d:, None] + j)[:, None, :, None]  # [N - d, 1, chunk, S]
+            outs.append(self.attend(q[0, slots], buffer[d:].to(lat.dtype), mask).flatten(0, 1))
+        # each token's output slot: its decode row's, else its grid cell's
+        grid_slot = d + (doc - d) * chunk + offset
+        o = torch.cat(outs).index_select(0, torch.where(doc < d, doc, grid_slot))
+        lengths += cu_seqlens.diff().to(lengths)
+        return o[None]
 
 
 def _document_mask(cu_seqlens: torch.Tensor, tokens: int, segment: int) -> torch.Tensor:
