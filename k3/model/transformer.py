@@ -23,6 +23,7 @@ from k3.model.moe import StableLatentMoE
 from k3.model.norm import RMSNorm
 from k3.model.pretrained import Pretrained
 from k3.model.situ import DenseMLP
+from k3.ops import host_free
 
 
 class K3DecoderLayer(nn.Module):
@@ -176,7 +177,10 @@ class K3ForCausalLM(Pretrained, nn.Module):
         num_seqs = tokens.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         if cache is not None and cache.num_seqs != num_seqs:
             raise ValueError(f"cache holds {cache.num_seqs} sequences, the batch has {num_seqs}")
-        if cache is not None:
+        # host-free (a captured serving step, k3.ops.host_free): the caller sized the buffers and
+        # keeps the host lengths; reading the new lengths here would synchronize
+        counting = cache is not None and not host_free.active()
+        if counting:
             new_tokens = (cu_seqlens.diff().cpu() if cu_seqlens is not None
                           else torch.full((num_seqs,), tokens.shape[1], dtype=torch.long))
             cache.reserve(new_tokens)
@@ -187,7 +191,7 @@ class K3ForCausalLM(Pretrained, nn.Module):
         if logits_to_keep is not None:
             hidden = hidden[:, logits_to_keep]
         logits = self.lm_head(hidden).float()
-        if cache is not None:
+        if counting:
             cache.lengths += new_tokens
         return logits
 

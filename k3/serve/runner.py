@@ -40,6 +40,7 @@ import torch
 from k3.model.cache import K3Cache, KDAInputs, KDAState, MLAState
 from k3.serve.decode_graph import capturable_experts
 from k3.serve.decode_slots import DecodeSlots
+from k3.serve.packed_graph import PackedGraphs
 from k3.serve.page_layout import PageLayout
 from k3.serve.page_transfer import PageTransfer
 from k3.serve.sampling import SampledToken, Sampler, SamplingParams
@@ -124,6 +125,8 @@ class ModelRunner:
         # graphs need CUDA and routed experts that never read counts on the host (grouped_mm)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and capturable_experts(model)
         self.slots = DecodeSlots(model, self.cuda_graphs)
+        # packed steps (prompt chunks) on static buckets, captured on CUDA (k3/serve/packed_graph.py)
+        self.packed = PackedGraphs(model) if self.cuda_graphs else None
         self._kda_layers, self._mla_layers = self.slots.kda_layers, self.slots.mla_layers
 
     def forget(self, request_id: str) -> None:
@@ -294,10 +297,12 @@ class ModelRunner:
             self.write_snapshots([r.state_pages[j] for j in range(len(self._kda_layers)) for r in requests],
                                  conv.flatten(0, 1), recurrent.flatten(0, 1))
 
-    def write_latents(self, requests: list[ScheduledRequest], cache: K3Cache, kept: list[int] | None = None) -> None:
+    def write_latents(self, requests: list[ScheduledRequest], cache: K3Cache, kept: list[int] | None = None,
+                      rows: list[int] | None = None) -> None:
         """Store the step's new latent rows (from the cache's first rows; padding rows after them are
         dropped) in the requests' MLA pages, with a handful of batched copies. `kept[n]`: how many
-        of request n's rows to store (the verified ones, with speculation; default all)."""
+        of request n's rows to store (the verified ones, with speculation; default all); `rows[n]`:
+        request n's row in the cache (default n)."""
         if not self._mla_layers:
             return
         counts = torch.tensor(kept if kept is not None else [len(r.token_ids) for r in requests])
@@ -308,9 +313,10 @@ class ModelRunner:
         widest = max(len(r.page_table) for r in requests)
         tables = torch.tensor([r.page_table + [0] * (widest - len(r.page_table)) for r in requests])
         P = self.layout.block_size
-        seq, position, page, row = torch.stack(
-            [seq, position, tables[seq, position // P], position % P]).to(self.device).unbind(0)
-        values = torch.stack([cache.layers[i].buffer[seq, position] for i in self._mla_layers], 1)  # [T, M, W]
+        cache_row = seq if rows is None else torch.tensor(rows)[seq]
+        cache_row, position, page, row = torch.stack(
+            [cache_row, position, tables[seq, position // P], position % P]).to(self.device).unbind(0)
+        values = torch.stack([cache.layers[i].buffer[cache_row, position] for i in self._mla_layers], 1)  # [T, M, W]
         self.latent_pages()[page, row] = values.to(self.layout.dtype)
 
     def _fill_slots(self, requests: list[ScheduledRequest]) -> None:
@@ -368,6 +374,9 @@ class ModelRunner:
             self.slots.holds = requests
             return self._sample(rows, score_rows, requests, chosen, scoring, params)
         self.step_counts["packed"] += 1
+        if self.packed is not None and self.speculator is None and not scoring and not media and \
+                self.packed.fits([len(run) for run in runs]):
+            return self._packed_graph_step(requests, ids, chosen, params, plan)
         cache = self.build_cache(requests)
         spec = [n for n, r in enumerate(requests) if r.request_id in proposals]
         speculating = set(spec)
@@ -415,6 +424,24 @@ class ModelRunner:
                               plain, scoring, params)
         result.sampled.update(sampled)
         return result
+
+    def _packed_graph_step(self, requests: list[ScheduledRequest], ids: torch.Tensor, chosen: list[int],
+                           params: dict[str, SamplingParams], plan) -> StepResult:
+        """A packed step (no drafts, images or prompt scores) through PackedGraphs: the states read
+        from pages into its static rows, its forward replayed, the new states and latents written
+        back to pages from there."""
+        new = [len(r.token_ids) for r in requests]
+        starts = [0, *itertools.accumulate(new)]
+        conv, recurrent, latents = self.read_pages(requests)
+        logits, cache, rows = self.packed.forward(ids, new, [r.num_computed for r in requests], conv, recurrent,
+                                                  latents, [starts[n + 1] - 1 for n in chosen])
+        if self._kda_layers:
+            at = torch.tensor(rows, device=self.device)
+            self.write_states(requests, torch.stack([cache.layers[i].conv[at] for i in self._kda_layers]),
+                              torch.stack([cache.layers[i].recurrent[at] for i in self._kda_layers]))
+        self.write_latents(requests, cache, rows=rows)
+        self._copy(plan.copy_after)
+        return self._sample(logits, logits[:0], requests, chosen, [], params)
 
     def _sample(self, rows: torch.Tensor, score_rows: torch.Tensor, requests: list[ScheduledRequest],
                 chosen: list[int], scoring: list[int], params: dict[str, SamplingParams]) -> StepResult:
