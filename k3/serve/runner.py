@@ -31,6 +31,7 @@ W = kv_lora_rank + qk_rope_head_dim, H/K/V KDA heads / key dim / value dim, 3C c
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ from k3.serve.sampling import SampledToken, Sampler, SamplingParams
 from k3.serve.scheduler import ScheduledRequest, SchedulerOutput
 from k3.serve.speculative_sampling import verify, with_logprobs
 from k3.serve.speculator import Proposal, Speculator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -376,7 +379,9 @@ class ModelRunner:
         self.step_counts["packed"] += 1
         if self.packed is not None and self.speculator is None and not scoring and not media and \
                 self.packed.fits([len(run) for run in runs]):
-            return self._packed_graph_step(requests, ids, chosen, params, plan)
+            result = self._packed_graph_step(requests, ids, chosen, params, plan)
+            if result is not None:
+                return result
         cache = self.build_cache(requests)
         spec = [n for n, r in enumerate(requests) if r.request_id in proposals]
         speculating = set(spec)
@@ -426,15 +431,21 @@ class ModelRunner:
         return result
 
     def _packed_graph_step(self, requests: list[ScheduledRequest], ids: torch.Tensor, chosen: list[int],
-                           params: dict[str, SamplingParams], plan) -> StepResult:
+                           params: dict[str, SamplingParams], plan) -> StepResult | None:
         """A packed step (no drafts, images or prompt scores) through PackedGraphs: the states read
         from pages into its static rows, its forward replayed, the new states and latents written
-        back to pages from there."""
+        back to pages from there. None (and PackedGraphs off for good) when its forward fails."""
         new = [len(r.token_ids) for r in requests]
         starts = [0, *itertools.accumulate(new)]
         conv, recurrent, latents = self.read_pages(requests)
-        logits, cache, rows = self.packed.forward(ids, new, [r.num_computed for r in requests], conv, recurrent,
-                                                  latents, [starts[n + 1] - 1 for n in chosen])
+        try:
+            logits, cache, rows = self.packed.forward(ids, new, [r.num_computed for r in requests], conv, recurrent,
+                                                      latents, [starts[n + 1] - 1 for n in chosen])
+        except Exception as e:  # noqa: BLE001 (nothing was written to pages yet: the plain path runs the step)
+            log.warning("packed steps on static buckets failed (%s: %s); packed steps run plainly from now on",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.packed = None
+            return None
         if self._kda_layers:
             at = torch.tensor(rows, device=self.device)
             self.write_states(requests, torch.stack([cache.layers[i].conv[at] for i in self._kda_layers]),

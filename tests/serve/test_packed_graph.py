@@ -109,3 +109,17 @@ def test_a_static_step_equals_the_plain_cached_forward(model):
     for i in mla:
         for n, (p, k) in enumerate(zip(past, new)):
             torch.testing.assert_close(static.layers[i].buffer[rows[n], :p + k], plain.layers[i].buffer[n, :p + k])
+
+
+def test_a_failing_static_step_falls_back_to_the_plain_forward(model, caplog):
+    """A packed forward that fails on its static rows (say, a kernel the card lacks) has written no
+    page yet: the step runs plainly, packed steps stay plain, and the tokens are unchanged."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(6, 300, (n,), generator=g).tolist() for n in (9, 4)]
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, max_num_batched_tokens=7,
+                                           enable_prefix_caching=False))
+    packed = engine.runner.packed = PackedGraphs(model, capture=False)
+    packed._step = lambda static: 1 / 0
+    with caplog.at_level("WARNING", logger="k3.serve.runner"):
+        assert engine.generate(prompts, GREEDY) == generate(model, prompts, GREEDY.max_tokens)
+    assert engine.runner.packed is None and "ZeroDivisionError" in caplog.text
