@@ -91,7 +91,8 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, floa
 
 
 def bench_k3(model, prompts: list[list[int]], new_tokens: list[int], budget: int, max_num_seqs: int,
-             cuda_graphs: bool = True, compile: str | None = None) -> tuple[float, float, list[list[int]], dict]:
+             cuda_graphs: bool = True, compile: str | None = None,
+             packed_graphs: bool = True) -> tuple[float, float, list[list[int]], dict]:
     """All requests submitted at once; the engine runs at most `max_num_seqs` of them at a time
     (continuous batching) and its cache holds that many requests' pages. Returns the mean TTFT, the
     elapsed time, each request's tokens, and per kind of forward (k3.serve.runner.STEP_KINDS) how
@@ -101,7 +102,7 @@ def bench_k3(model, prompts: list[list[int]], new_tokens: list[int], budget: int
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                            max_model_len=max(longest, 4096), enable_prefix_caching=False,
                                            cache_bytes=_engine_cache_bytes(model, max_num_seqs, longest),
-                                           cuda_graphs=cuda_graphs, compile=compile))
+                                           cuda_graphs=cuda_graphs, compile=compile, packed_graphs=packed_graphs))
     device = next(model.parameters()).device
     counts = engine.runner.step_counts
     seconds: Counter[str] = Counter()
@@ -253,6 +254,11 @@ def run_mixed(hf, ours, workload: dict, vocab: int, warmup: bool = True, profile
         print(f"mixed workload, {label}: HF static batches took {hf_time:.1f} s", flush=True)
         ttft, k3_time, k3_out, steps = bench_k3(ours, prompts, wants, budget, concurrency, graphs)
         print(f"mixed workload, {label}: k3 engine ({mode}) took {k3_time:.1f} s; {steps_line(steps)}", flush=True)
+    plain = None
+    if graphs:  # the same workload with packed steps run plainly (no static buckets): what they gain
+        plain_time = bench_k3(ours, prompts, wants, budget, concurrency, graphs, packed_graphs=False)[1]
+        print(f"mixed workload: k3 engine with plain packed steps took {plain_time:.1f} s", flush=True)
+        plain = {f"k3_{mode}_plain_packed_throughput_ratio": hf_time / plain_time}
     if profile:
         profile_engine(ours, prompts, wants, budget, concurrency, graphs)
     n = sum(wants)
@@ -260,7 +266,7 @@ def run_mixed(hf, ours, workload: dict, vocab: int, warmup: bool = True, profile
             "hf_useful_fraction": n / hf_rows,
             f"k3_{mode}_tokens_per_s": n / k3_time, f"k3_{mode}_ttft_s": ttft,
             f"k3_{mode}_throughput_ratio": hf_time / k3_time, f"k3_{mode}_agreement_with_hf": agreement(hf_out, k3_out),
-            f"k3_{mode}_steps": steps}
+            f"k3_{mode}_steps": steps, **(plain or {})}
 
 
 def profile_engine(model, prompts: list[list[int]], new_tokens: list[int], budget: int, max_num_seqs: int,

@@ -85,6 +85,9 @@ class EngineConfig:
     max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay lasting decode batches from CUDA graphs (CUDA + grouped_mm experts only)
+    # with cuda_graphs: packed (prefill / mixed) steps on static buckets, captured per shape
+    # (k3/serve/packed_graph.py); False runs them plainly
+    packed_graphs: bool = True
     # torch.compile backend for each layer's norms, mixer, FFN and AttnRes reads (k3.regional_compile),
     # or None; "inductor" fuses the small kernels of a decode step (the first steps of each shape
     # compile). Decode steps only: packed (prefill) steps run the regions eagerly, since their shapes
@@ -214,7 +217,8 @@ class LLMEngine:
                                    max_num_encoder_tokens=config.max_num_encoder_tokens, admission=admission)
         self.runner = ModelRunner(model, self.layout, num_pages, seed=config.seed, cuda_graphs=config.cuda_graphs,
                                   speculator=speculator, vision=self.vision, sampler=sampler,
-                                  num_host_pages=host_pages, eager_packed=bool(config.compile))
+                                  num_host_pages=host_pages, eager_packed=bool(config.compile),
+                                  packed_graphs=config.packed_graphs)
         self.eos_token_id = model.config.eos_token_id
         # reentrant: abort() may run from a finalizer (gc) on any thread, even the engine thread
         # while it holds the lock (it then reads nothing mid-step: `_stepping`)

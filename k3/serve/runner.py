@@ -90,9 +90,11 @@ class _RequestMedia:
 class ModelRunner:
     def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
                  cuda_graphs: bool = True, speculator: Speculator | None = None, vision=None,
-                 sampler: Sampler | None = None, num_host_pages: int = 0, eager_packed: bool = False):
+                 sampler: Sampler | None = None, num_host_pages: int = 0, eager_packed: bool = False,
+                 packed_graphs: bool = True):
         """`sampler`: the Sampler to pick tokens with (default: a `Sampler(seed)`). `num_host_pages`:
-        the prefix cache's host tier (k3/serve/page_transfer.py), 0 for none. `eager_packed`: run
+        the prefix cache's host tier (k3/serve/page_transfer.py), 0 for none. `packed_graphs`: with
+        `cuda_graphs`, packed steps on static buckets (k3/serve/packed_graph.py). `eager_packed`: run
         packed forwards with compiled regions eagerly (`torch.compiler.set_stance("force_eager")`):
         a packed step's shapes change every step, so compiling them costs more than it saves, while
         a decode step's few shapes compile once and replay fused."""
@@ -129,7 +131,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and capturable_experts(model)
         self.slots = DecodeSlots(model, self.cuda_graphs)
         # packed steps (prompt chunks) on static buckets, captured on CUDA (k3/serve/packed_graph.py)
-        self.packed = PackedGraphs(model) if self.cuda_graphs else None
+        self.packed = PackedGraphs(model, log=log.info) if self.cuda_graphs and packed_graphs else None
         self._kda_layers, self._mla_layers = self.slots.kda_layers, self.slots.mla_layers
 
     def forget(self, request_id: str) -> None:
