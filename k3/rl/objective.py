@@ -33,8 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from k3.ops import host_free
 from k3.ops.batch_invariant import batch_invariant as batch_invariant_mode
 from k3.rl.shared_prompts import shared_prompt_logits
+from k3.train.graph_step import pad_batch
+from k3.train.packing import PackedBatch
 
 AGGREGATIONS = ("token", "sequence")
 
@@ -97,6 +100,20 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     whose gradient the clip removes), behaviour_kl (k3 estimate of KL(mu || pi): how far the policy has moved
     from the one that sampled the tokens),
     kl (k3 to the reference), entropy, pg_loss (the surrogate part of the loss), tokens."""
+    loss, metrics = policy_terms(logprobs, old_logprobs, advantages, mask, config, seq_ids=seq_ids,
+                                 ref_logprobs=ref_logprobs, entropy=entropy, num_tokens=num_tokens,
+                                 num_sequences=num_sequences)
+    return loss, {k: int(v) if k == "tokens" else float(v) for k, v in metrics.items()}
+
+
+def policy_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                 config: ObjectiveConfig = ObjectiveConfig(), *, seq_ids: torch.Tensor | None = None,
+                 ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                 num_tokens: float | torch.Tensor | None = None,
+                 num_sequences: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`policy_loss` with its metrics as 0-d device tensors: with "token" aggregation nothing is
+    read back to the host (a captured step runs it, k3/train/graph_step.py); `num_tokens` may be
+    a device scalar, the captured step's input."""
     shape = logprobs.shape
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask),
                     ("seq_ids", seq_ids), ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
@@ -121,29 +138,33 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         kl = torch.exp(d) - d - 1.0
         if config.kl_coef > 0:
             per_token = per_token + config.kl_coef * kl
-    n_tok = int(m.sum())
+    n_tok = m.sum()
     if config.aggregation == "token":
-        denom = float(num_tokens) if num_tokens is not None else max(n_tok, 1)
+        denom = n_tok.clamp(min=1) if num_tokens is None else num_tokens
+        denom = denom if isinstance(denom, torch.Tensor) else float(denom)
         loss = torch.where(m, per_token, zero).sum() / denom
         pg_loss = torch.where(m, pg, zero).sum().detach() / denom
-    else:
+    else:  # per-trajectory means: sized by the batch's trajectories, so read on the host
         ids = torch.unique(seq_ids[m], return_inverse=True)[1]
-        n_seq = int(ids.max()) + 1 if n_tok else 0
+        n_seq = int(ids.max()) + 1 if int(n_tok) else 0
         denom = float(num_sequences) if num_sequences is not None else max(n_seq, 1)
         counts = torch.zeros(n_seq, dtype=per_token.dtype, device=per_token.device).index_add_(
             0, ids, torch.ones_like(per_token[m]))
         loss = (per_token.new_zeros(n_seq).index_add(0, ids, per_token[m]) / counts).sum() / denom
         pg_loss = (pg.new_zeros(n_seq).index_add(0, ids, pg[m].detach()) / counts).sum() / denom
     with torch.no_grad():
-        def mean(x: torch.Tensor) -> float:
-            return float(x[m].float().mean()) if n_tok else 0.0
+        count = n_tok.clamp(min=1)
+
+        def mean(x: torch.Tensor) -> torch.Tensor:  # over the mask; 0 without tokens
+            return torch.where(m, x.float(), 0.0).sum() / count
+
         low = m & (adv < 0) & (ratio < 1.0 - config.eps_low)
         high = m & (adv > 0) & (ratio > 1.0 + config.eps_high)
         stale = ratio - 1.0 - log_ratio  # k3 estimate of KL(mu || pi) on tokens drawn from mu
-        metrics = {"loss": float(loss), "pg_loss": float(pg_loss), "ratio_mean": mean(ratio),
-                   "ratio_max": float(ratio[m].max()) if n_tok else 0.0,
-                   "clip_fraction": mean((low | high).float()), "clip_low_fraction": mean(low.float()),
-                   "clip_high_fraction": mean(high.float()), "behaviour_kl": mean(stale), "tokens": n_tok}
+        metrics = {"loss": loss.detach(), "pg_loss": pg_loss, "ratio_mean": mean(ratio),
+                   "ratio_max": torch.where(m, ratio, zero).amax(),  # ratios are > 0: 0 without tokens
+                   "clip_fraction": mean(low | high), "clip_low_fraction": mean(low),
+                   "clip_high_fraction": mean(high), "behaviour_kl": mean(stale), "tokens": n_tok}
         if kl is not None:
             metrics["kl"] = mean(kl)
         if entropy is not None:
@@ -167,6 +188,22 @@ class RLBatch:
 
     def to(self, device) -> RLBatch:
         return RLBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def pad_rl_batch(batch: RLBatch, tokens: int, docs: int, pad_id: int) -> RLBatch:
+    """`batch` as a row of exactly `tokens` positions and `docs` documents, the shape a captured
+    step takes (k3.train.graph_step.pad_batch: the pad positions form one more document, then
+    zero-length ones): pad positions predict `pad_id` and are off the mask (advantage and
+    behaviour log-prob 0, no trajectory: seq id -1, version -1), so they change nothing."""
+    row = pad_batch(PackedBatch(batch.input_ids, batch.targets[None], batch.cu_seqlens), tokens, docs, pad_id)
+    n = tokens - batch.targets.numel()
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.cat([t, t.new_full((n,), value)])
+
+    return RLBatch(row.input_ids, row.cu_seqlens, pad(batch.targets, pad_id), pad(batch.mask, False),
+                   pad(batch.old_logprobs, 0.0), pad(batch.advantages, 0.0), pad(batch.seq_ids, -1),
+                   pad(batch.versions, -1))
 
 
 def trained_tokens(trajectory) -> int:
@@ -217,9 +254,13 @@ def token_logprobs(model, batch: RLBatch, *, temperature: float = 1.0, with_entr
     `batch_invariant`: compute in k3.ops.batch_invariant's arithmetic (CPU), the same as a
     batch-invariant rollout engine: the recomputed log-probs then equal the rollout's bit for bit,
     QAT included (elsewhere an ulp of difference upstream can flip an MXFP8 rounding).
-    `share_prompts`: prompt tokens several trajectories share run once (k3/rl/shared_prompts.py)."""
+    `share_prompts`: prompt tokens several trajectories share run once (k3/rl/shared_prompts.py).
+    In host-free mode (a captured step, k3/ops/host_free.py) logits are computed at every
+    position: which ones the mask keeps is data the host would have to read."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if host_free.active():
+        return _dense_logprobs(model, batch, temperature, with_entropy, share_prompts or batch_invariant)
     keep = batch.mask.nonzero()[:, 0]
     with batch_invariant_mode(batch_invariant):
         logits = shared_prompt_logits(model, batch) if share_prompts else None
@@ -234,3 +275,17 @@ def token_logprobs(model, batch: RLBatch, *, temperature: float = 1.0, with_entr
         ent = -(logp.exp() * logp).sum(-1)
         entropy = ent.new_zeros(batch.targets.shape).index_copy(0, keep, ent)
     return out, entropy
+
+
+def _dense_logprobs(model, batch: RLBatch, temperature: float, with_entropy: bool, refused: bool):
+    """`token_logprobs` of a padded row in host-free mode: every position's logits, kept by the mask."""
+    if refused:
+        raise ValueError("share_prompts and batch_invariant read the batch on the host: not in host-free mode")
+    logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens)[0]  # [T, V] fp32
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    zero = logp.new_zeros(())
+    out = torch.where(batch.mask, logp.gather(1, batch.targets[:, None])[:, 0], zero)
+    if not with_entropy:
+        return out
+    with torch.no_grad():
+        return out, torch.where(batch.mask, -(logp.exp() * logp).sum(-1), zero)

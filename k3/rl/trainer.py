@@ -17,7 +17,8 @@ One iteration = one optimizer step:
    sampled token of every turn of the episode.
 4. Loss: the per-token clipped ratio against the behaviour log-probs plus an optional k3 KL to the
    init model (k3/rl/objective.py), token-averaged over the iteration; Per-Head Muon / AdamW, the
-   schedule, the expert-balance update, exactly as `k3 train`.
+   schedule, the expert-balance update, exactly as `k3 train`; on one GPU the whole update (forward
+   and backward of the padded rows, then the optimizer) replays as a CUDA graph (DESIGN §14.5).
 
 Budgets b0(x): measured once at the start from the init (SFT) model's sampled episodes of every
 training-pool and held-out task (`budget_samples` each), or read from `--budgets` (a `max` expert's
@@ -63,9 +64,11 @@ from k3.rl.effort import (
 from k3.rl.episode_rows import train_rows
 from k3.rl.objective import (
     ObjectiveConfig,
+    RLBatch,
     group_advantages,
     pack_trajectories,
-    policy_loss,
+    pad_rl_batch,
+    policy_terms,
     token_logprobs,
     trained_tokens,
 )
@@ -77,6 +80,7 @@ from k3.tasks.domains import DOMAIN_CLASSES, Task, make_domain, needs_another_tu
 from k3.tasks.episodes import next_turn, run_episodes
 from k3.train.chat_start import load_chat_start
 from k3.train.errors import TrainError
+from k3.train.graph_step import padded_docs, token_bucket
 from k3.train.muon import OPTIMIZERS
 from k3.train.packing import windows_for_step
 from k3.train.settings import (
@@ -88,7 +92,7 @@ from k3.train.settings import (
     option,
     settings,
 )
-from k3.train.trainer import Trainer, validate_update
+from k3.train.trainer import MAX_GRAPH_SPAN, Trainer, validate_update
 
 BUDGETS_FILE = "budgets.json"
 HELDOUT_FILE = "heldout.jsonl"
@@ -229,6 +233,7 @@ class RLTrainer(Trainer):
     CHAT_MODEL = True
     OPTIONAL_STRINGS = ("budgets", "out", "cache_dir")
     OPTIONAL_FLOATS = ("tau",)
+    OWN_GRAPH_STEP = True  # optimize() replays the update (the rollouts run eagerly, on the serving engine)
     init_sampled: dict | None = None  # the init model's held-out pass@k, when this run measures the budgets
 
     @staticmethod
@@ -515,43 +520,46 @@ class RLTrainer(Trainer):
     @property
     def share_prompts(self) -> bool:
         """Shared prompt tokens run once in the trainer's forwards; not under --compile, whose
-        regions are traced for whole rows."""
-        return self.s.share_prompts and not self.s.compile
+        regions are traced for whole rows, nor in captured steps, whose rows have fixed shapes."""
+        return self.s.share_prompts and not self.s.compile and self.graphs is None
 
     def token_advantages(self, batch, row: list[Trajectory]) -> torch.Tensor:
         """Each position's advantage (RL: its trajectory's, as packed)."""
         return batch.advantages
 
     def optimize(self, trained: list[Trajectory], advantages: list[float]) -> dict:
-        """One optimizer step on the trained trajectories: the clipped per-token objective, token-averaged."""
-        s, device = self.s, self.world.device
+        """One optimizer step on the trained trajectories: the clipped per-token objective,
+        token-averaged; through a captured step (DESIGN §14.5) when the run replays them."""
         version = self.rollouts.policy_version
         total = sum(trained_tokens(t) for t in trained)
-        metrics: dict[str, float] = {}
+        rows = [(pack_trajectories(row, adv), row) for row, adv in self._rows(trained, advantages)]
+        # policy versions are on the host: staleness never waits on the device
+        staleness = sum(float((version - b.versions[b.mask]).float().sum()) / max(total, 1) for b, _ in rows)
         self.model.train()
-        for row, adv in self._rows(trained, advantages):
-            batch = pack_trajectories(row, adv).to(device)
+        tokens = token_bucket(max((b.input_ids.shape[1] for b, _ in rows), default=0))
+        if self.graphs is not None and rows and tokens <= MAX_GRAPH_SPAN:
+            out, lr = self._graph_optimize(rows, tokens, total)
+        else:
+            out, lr = self._eager_optimize(rows, total, trained)
+        values = dict(zip(out, torch.stack([v.float() for v in out.values()]).tolist()))  # the one host read
+        self.rollouts.policy_version = self.step
+        self.tokens_seen += total
+        loss, grad_norm = values.pop("loss", 0.0), values.pop("grad_norm")
+        if rows:
+            values["staleness"] = staleness
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens_seen, "trained_tokens": total,
+                **{k: round(v, 6) for k, v in values.items()}}
+
+    def _eager_optimize(self, rows: list, total: int, trained: list) -> tuple[dict[str, torch.Tensor], float]:
+        """The rows as packed, forward and backward one by one, then the optimizer step."""
+        device = self.world.device
+        self.optimizer.zero_grad(set_to_none=True)  # a replayed step leaves its gradients set
+        batches = []
+        for b, row in rows:
+            batch = b.to(device)
             batch.advantages = self.token_advantages(batch, row)
-            logp, entropy = token_logprobs(self.model, batch, temperature=s.temperature, with_entropy=True,
-                                           batch_invariant=s.batch_invariant, share_prompts=self.share_prompts)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = token_logprobs(self.ref_model, batch, temperature=s.temperature,
-                                         batch_invariant=s.batch_invariant, share_prompts=self.share_prompts)
-            loss, m = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.mask, self.objective,
-                                  seq_ids=batch.seq_ids, ref_logprobs=ref, entropy=entropy, num_tokens=total)
-            loss.backward()
-            w = m["tokens"] / max(total, 1)
-            stale = float((version - batch.versions[batch.mask]).float().sum())
-            for k, v in m.items():
-                if k in ("loss", "pg_loss"):
-                    metrics[k] = metrics.get(k, 0.0) + v
-                elif k == "ratio_max":
-                    metrics[k] = max(metrics.get(k, 0.0), v)
-                elif k != "tokens":
-                    metrics[k] = metrics.get(k, 0.0) + v * w
-            metrics["staleness"] = metrics.get("staleness", 0.0) + stale / max(total, 1)
+            batches.append(batch)
+        out = self._train_rows(batches, total)
         rule = self.balance_rule
         if not trained:  # partial rollout finished no episode (multi-turn ones span iterations): nothing was routed
             self.balance_rule = None
@@ -559,10 +567,63 @@ class RLTrainer(Trainer):
             grad_norm, lr, _ = self.optimizer_step()
         finally:
             self.balance_rule = rule
-        self.rollouts.policy_version = self.step
-        self.tokens_seen += total
-        return {"loss": metrics.pop("loss", 0.0), "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens_seen,
-                "trained_tokens": total, **{k: round(v, 6) for k, v in metrics.items()}}
+        return {**out, "grad_norm": grad_norm}, lr
+
+    def _graph_optimize(self, rows: list, tokens: int, total: int) -> tuple[dict[str, torch.Tensor], float]:
+        """The rows padded to one shape (`tokens` positions, a document bucket), then the captured step."""
+        docs = padded_docs([b for b, _ in rows], tokens)
+        batches = []
+        for b, row in rows:
+            batch = pad_rl_batch(b, tokens, docs, self.config.pad_token_id).to(self.world.device)
+            batch.advantages = self.token_advantages(batch, row)  # distillation: the teachers' forwards, eager
+            batches.append(batch)
+        lr = self.scheduler.get_last_lr()[0]
+        out = self.graphs.run(batches, float(total))
+        self.scheduler.step()
+        self.step += 1
+        return out, lr
+
+    def _graph_body(self, batches: list[RLBatch], total: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The step a graph captures: forward and backward of each padded row (the loss divided by
+        the device scalar `total`), clip, update, balance."""
+        self.model.train()
+        out = self._train_rows(batches, total)
+        grad_norm, _ = self._update()
+        return {**out, "grad_norm": grad_norm}
+
+    def _train_rows(self, batches: list[RLBatch], total) -> dict[str, torch.Tensor]:
+        """Forward and backward of each packed row, the loss divided by `total` (the step's trained
+        tokens); the step's metrics on the device: loss and pg_loss summed over rows, ratio_max the
+        largest, the rest token means."""
+        s, out = self.s, {}
+        for batch in batches:
+            logp, entropy = token_logprobs(self.model, batch, temperature=s.temperature, with_entropy=True,
+                                           batch_invariant=s.batch_invariant, share_prompts=self.share_prompts)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self.ref_model, batch, temperature=s.temperature,
+                                         batch_invariant=s.batch_invariant, share_prompts=self.share_prompts)
+            loss, m = policy_terms(logp, batch.old_logprobs, batch.advantages, batch.mask, self.objective,
+                                   seq_ids=batch.seq_ids, ref_logprobs=ref, entropy=entropy, num_tokens=total)
+            loss.backward()
+            w = m.pop("tokens") / total
+            for k, v in m.items():
+                if k not in out:
+                    out[k] = v if k in ("loss", "pg_loss", "ratio_max") else v * w
+                elif k == "ratio_max":
+                    out[k] = torch.maximum(out[k], v)
+                else:
+                    out[k] = out[k] + (v if k in ("loss", "pg_loss") else v * w)
+        return out
+
+    def graph_span(self) -> int:
+        """Trajectories pack into rows of TRAIN_ROW_TOKENS (a longer one alone: that step runs eagerly)."""
+        return TRAIN_ROW_TOKENS
+
+    def _graph_refusal(self) -> str | None:
+        why = super()._graph_refusal()
+        return why or ("--batch-invariant (CPU arithmetic, host reads)" if self.s.batch_invariant else None)
 
     @staticmethod
     def _rows(trajectories: list[Trajectory], advantages: list[float]):

@@ -7,7 +7,9 @@ recorded once and replayed with one launch. What makes that possible:
 
 - fixed shapes: a step's micro-batches are copied into static buffers of a fixed token count,
   and each packed row's `cu_seqlens` is padded with zero-length documents to a fixed count (the
-  row's bucket: the next power of two >= its documents, so a handful of graphs serve a run);
+  row's bucket: the next power of two >= its documents, so a handful of graphs serve a run); a
+  row is any dataclass of tensors (`k3 rl` adds its per-token tensors, k3/rl/objective.py), and
+  its padded shapes pick the graph;
 - no host reads inside the step: the ops' host-free paths (k3/ops/host_free.py), a capturable
   optimizer whose learning rate is a device tensor the schedule fills between replays
   (k3/train/muon.py), a sync-free balance update (k3/train/balance.py);
@@ -80,35 +82,43 @@ class StepOutputs:
 
 
 class _Graph:
-    """One bucket's static inputs and its captured step."""
+    """One bucket's static inputs (buffers shaped like the step's padded rows) and its captured step."""
 
-    def __init__(self, micro: int, tokens: int, docs: int, device: torch.device):
-        self.inputs = [PackedBatch(torch.zeros(1, tokens, dtype=torch.long, device=device),
-                                   torch.full((1, tokens), IGNORE_INDEX, dtype=torch.long, device=device),
-                                   torch.full((docs + 1,), tokens, dtype=torch.long, device=device))
-                       for _ in range(micro)]
+    def __init__(self, batches: list, device: torch.device):
+        self.inputs = [dataclasses.replace(b, **{f: torch.zeros_like(t, device=device) for f, t in _tensors(b)})
+                       for b in batches]
         self.scale = torch.zeros((), device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: StepOutputs | None = None
+        self.outputs = None
         self.warm = False
 
-    def load(self, batches: list[PackedBatch], scale: float) -> None:
+    def load(self, batches: list, scale: float) -> None:
         for static, b in zip(self.inputs, batches):
-            for dst, src in zip((static.input_ids, static.labels, static.cu_seqlens),
-                                (b.input_ids, b.labels, b.cu_seqlens)):
+            for (_, dst), (_, src) in zip(_tensors(static), _tensors(b)):
                 pinned = src.pin_memory() if src.device.type == "cpu" and dst.is_cuda else src
                 dst.copy_(pinned, non_blocking=True)
         self.scale.fill_(scale)
 
 
+def _tensors(batch) -> list[tuple[str, torch.Tensor]]:
+    """A row's tensor fields (a dataclass: PackedBatch, k3.rl.objective.RLBatch), in field order."""
+    return [(f.name, t) for f in dataclasses.fields(batch) if isinstance(t := getattr(batch, f.name), torch.Tensor)]
+
+
+def padded_docs(batches: list[PackedBatch], tokens: int) -> int:
+    """The document bucket of `batches` padded to rows of `tokens` (pad tokens are one more document)."""
+    return doc_bucket(max(b.cu_seqlens.numel() - 1 + (b.input_ids.shape[1] < tokens) for b in batches))
+
+
 class GraphStep:
     """Replays captured training steps; `body(batches, scale)` is the step to capture: forward and
-    backward of each micro-batch (loss scaled by the device scalar `scale`), then the update; it
-    returns a StepOutputs. `zero_grad()` sets every gradient to None (before an eager step or a
-    capture: a captured backward must allocate its gradients, not add to earlier ones).
+    backward of each micro-batch (`scale`: a device scalar the body reads, the loss's scale or its
+    denominator), then the update; it returns device tensors (train: a StepOutputs). `zero_grad()`
+    sets every gradient to None (before an eager step or a capture: a captured backward must
+    allocate its gradients, not add to earlier ones).
     `capture=False`: never capture, run every step eagerly (the tests' reference)."""
 
-    def __init__(self, body: Callable[[list[PackedBatch], torch.Tensor], StepOutputs],
+    def __init__(self, body: Callable[[list, torch.Tensor], object],
                  zero_grad: Callable[[], None], *, device: torch.device, pad_id: int, capture: bool = True,
                  log=print):
         self.body, self.zero_grad, self.device, self.pad_id, self.log = body, zero_grad, device, pad_id, log
@@ -124,14 +134,23 @@ class GraphStep:
         (default: the longest row); `segment`: rows are whole windows of this many tokens (checked
         here: attention then runs window by window). Returns device tensors, valid until the next step."""
         tokens = max(b.input_ids.shape[1] for b in batches) if tokens is None else tokens
-        docs = doc_bucket(max(b.cu_seqlens.numel() - 1 + (b.input_ids.shape[1] < tokens) for b in batches))
+        docs = padded_docs(batches, tokens)
         if segment is not None and not all(windowed(b, segment) for b in batches):
             segment = None
-        key = (len(batches), tokens, docs, segment)
+        return self.run([pad_batch(b, tokens, docs, self.pad_id) for b in batches], scale, segment)
+
+    def run(self, batches: list, scale: float, segment: int | None = None):
+        """Run one step over rows already padded to one shape (dataclasses of tensors with `input_ids`
+        [1, T] and `cu_seqlens`, every row the same shapes: their shapes pick the graph). Returns
+        what the body returns, valid until the next step."""
+        shapes = [tuple(tuple(t.shape) for _, t in _tensors(b)) for b in batches]
+        if len(set(shapes)) != 1:
+            raise ValueError(f"a captured step's rows must have one shape, got {sorted(set(shapes))}")
+        key = (len(batches), shapes[0], segment)
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = _Graph(len(batches), tokens, docs, self.device)
-        g.load([pad_batch(b, tokens, docs, self.pad_id) for b in batches], scale)
+            g = self.graphs[key] = _Graph(batches, self.device)
+        g.load(batches, scale)
         if g.graph is not None:
             g.graph.replay()
             return g.outputs
@@ -154,6 +173,7 @@ class GraphStep:
                     with torch.cuda.graph(graph, stream=self.stream):
                         g.outputs = self.body(g.inputs, g.scale)
                     g.graph = graph
+                    tokens, docs = batches[0].input_ids.shape[1], batches[0].cu_seqlens.numel() - 1
                     self.log(f"cuda graphs: captured a step of {len(batches)} x {tokens} tokens, "
                              f"<= {docs} documents a row")
                 except (RuntimeError, AssertionError, ValueError) as e:  # nothing ran: now eagerly, and later steps

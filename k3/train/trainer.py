@@ -211,6 +211,7 @@ class Trainer:
     CHAT_MODEL = False  # its checkpoints carry the chat template (SFT, RL, VL: they learn conversations)
     OPTIONAL_STRINGS = ("data", "out", "cache_dir")  # settings that are None or a string
     OPTIONAL_FLOATS: tuple[str, ...] = ()  # settings that are None or a number
+    OWN_GRAPH_STEP = False  # its own train_step runs the update through self.graphs (RL)
 
     def __init__(self, settings: TrainSettings, *, resume: bool = False, progress: bool = True, log=print):
         self._created = time.perf_counter()  # wall time counts setup too (tokenizer, tokenization)
@@ -363,12 +364,17 @@ class Trainer:
         s = self.s
         checks = ((lambda: not getattr(s, "cuda_graphs", False), "--no-cuda-graphs"),
                   (lambda: self.world.device.type != "cuda", "not on CUDA"),
-                  (lambda: type(self).train_step is not Trainer.train_step, f"{type(self).__name__} has its own step"),
+                  (lambda: type(self).train_step is not Trainer.train_step and not self.OWN_GRAPH_STEP,
+                   f"{type(self).__name__} has its own step"),
                   (lambda: self.world.distributed, "under torchrun"),
                   (lambda: s.qat, "--qat"),
-                  (lambda: (self.attention_segment() or s.batch_size // s.grad_accum * s.seq_len) > MAX_GRAPH_SPAN,
+                  (lambda: self.graph_span() > MAX_GRAPH_SPAN,
                    f"attention spans over {MAX_GRAPH_SPAN:,} tokens: captured MLA attention is dense"))
         return next((why for bad, why in checks if bad()), None)
+
+    def graph_span(self) -> int:
+        """The most tokens a captured step's attention spans: a window, else a whole row."""
+        return self.attention_segment() or self.s.batch_size // self.s.grad_accum * self.s.seq_len
 
     def _restore_latest(self) -> None:
         """Model, optimizer, scheduler and counters from the run's latest complete checkpoint."""
