@@ -34,7 +34,8 @@ class MoEGate(KeepsFP32):
 
     In training mode it accumulates (detached) what balancing needs over every forward since the
     last `balance_step` — all micro-batches of one optimizer step, since QB balances the step's m
-    tokens (DESIGN §6): `last_scores` [N, E] fp32 and `expert_load` [E] int64 (tokens per expert).
+    tokens (DESIGN §6): `last_scores` [N, E] fp32, `last_indices` [N, k] (the experts picked) and
+    `expert_load` [E] int64 (tokens per expert).
     """
 
     FP32_TENSORS = ("weight", "e_score_correction_bias")
@@ -49,6 +50,7 @@ class MoEGate(KeepsFP32):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self._score_parts: list[torch.Tensor] = []  # one per training forward since clear_records
+        self._index_parts: list[torch.Tensor] = []
         self.expert_load: torch.Tensor | None = None
         self.reset_parameters()
 
@@ -61,8 +63,17 @@ class MoEGate(KeepsFP32):
             self._score_parts = [torch.cat(self._score_parts)]
         return self._score_parts[0]
 
+    @property
+    def last_indices(self) -> torch.Tensor | None:
+        """The experts each recorded token picked [N, k], in `last_scores`' order."""
+        if not self._index_parts:
+            return None
+        if len(self._index_parts) > 1:
+            self._index_parts = [torch.cat(self._index_parts)]
+        return self._index_parts[0]
+
     def clear_records(self) -> None:
-        self._score_parts, self.expert_load = [], None
+        self._score_parts, self._index_parts, self.expert_load = [], [], None
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
@@ -89,6 +100,7 @@ class MoEGate(KeepsFP32):
         up and ran it eager."""
         load = expert_counts(idx, self.num_experts)
         self._score_parts.append(scores)
+        self._index_parts.append(idx.reshape(-1, idx.shape[-1]))
         self.expert_load = load if self.expert_load is None else self.expert_load + load
 
 

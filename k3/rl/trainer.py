@@ -588,7 +588,7 @@ class RLTrainer(Trainer):
         the device scalar `total`), clip, update, balance."""
         self.model.train()
         out = self._train_rows(batches, total)
-        grad_norm, _ = self._update()
+        grad_norm, _ = self._update(self.real_tokens(batches))
         return {**out, "grad_norm": grad_norm}
 
     def _train_rows(self, batches: list[RLBatch], total) -> dict[str, torch.Tensor]:

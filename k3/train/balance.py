@@ -43,6 +43,13 @@ def sign_update(bias: torch.Tensor, load: torch.Tensor, gamma: float = 1e-3) -> 
     return bias + gamma * torch.sign(load.mean() - load).to(bias.dtype)
 
 
+def masked_load(idx: torch.Tensor, token_mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Tokens per expert [n] int64 of the tokens `token_mask` [m] keeps (idx [m, k]); a weighted
+    scatter-add, so nothing is read back to the host."""
+    weights = token_mask[:, None].expand_as(idx).long().flatten()
+    return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, idx.flatten(), weights)
+
+
 @torch.no_grad()
 def qb_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
     """QB steps 1-2: M = s - a, a_i = the (k+1)-th largest of s_i + b. scores [m, n] -> [m, n] fp32."""
@@ -73,13 +80,19 @@ def bias_from_quantiles(quantiles: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact K3 QB on one batch: the new bias [n] (replaces `bias`, same dtype)."""
+def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, k: int,
+                     token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact K3 QB on one batch: the new bias [n] (replaces `bias`, same dtype). `token_mask` [m]:
+    only these tokens count (a captured step's padding does not), with no host read."""
     margins = qb_margins(scores, bias, k)
     m, n = margins.shape
-    q = qb_quota(m, n, k)
-    # (q+1)-th largest of m values = (m-q)-th smallest
-    quantiles = torch.kthvalue(margins, m - q, dim=0).values
+    if token_mask is None:
+        # (q+1)-th largest of m values = (m-q)-th smallest
+        quantiles = torch.kthvalue(margins, m - qb_quota(m, n, k), dim=0).values
+    else:  # masked tokens sort last; the quota counts the kept ones, on the device
+        q = qb_quota(token_mask.sum(), n, k)
+        ranked = margins.masked_fill(~token_mask[:, None], float("-inf")).sort(dim=0, descending=True).values
+        quantiles = ranked.gather(0, q.view(1, 1).expand(1, n))[0]
     return bias_from_quantiles(quantiles).to(bias.dtype)
 
 
@@ -90,15 +103,18 @@ def margin_edges(bins: int = 1000, lo: float = -1.0, hi: float = 1.0, device=Non
 
 
 @torch.no_grad()
-def margin_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, edges: torch.Tensor) -> torch.Tensor:
-    """Per expert, counts of QB margins per bin: [n, bins] int64, summable across ranks."""
+def margin_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, edges: torch.Tensor,
+                     token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per expert, counts of QB margins per bin: [n, bins] int64, summable across ranks (only the
+    tokens `token_mask` [m] keeps, when given)."""
     margins = qb_margins(scores, bias, k)
     n, bins = margins.shape[1], edges.numel() - 1
     # interior edges only: values below edges[1] go to bin 0, values >= edges[-2] to the last bin
     which = torch.bucketize(margins, edges[1:-1].to(margins.device), right=True)
     flat = (which + torch.arange(n, device=margins.device) * bins).flatten()
     # a scatter-add, not torch.bincount: bincount's CUDA kernel reads max() back to the host
-    counts = torch.zeros(n * bins, dtype=torch.long, device=margins.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ones = torch.ones_like(flat) if token_mask is None else token_mask[:, None].expand_as(which).long().flatten()
+    counts = torch.zeros(n * bins, dtype=torch.long, device=margins.device).scatter_add_(0, flat, ones)
     return counts.view(n, bins)
 
 
@@ -135,11 +151,13 @@ def moe_layers(model: nn.Module) -> dict[str, StableLatentMoE]:
 
 @torch.no_grad()
 def balance_step(model: nn.Module, rule: str | None = "quantile", *, gamma: float = 1e-3,
-                 edges: torch.Tensor | None = None, reduce_fn: ReduceFn | None = None) -> None:
+                 edges: torch.Tensor | None = None, reduce_fn: ReduceFn | None = None,
+                 token_mask: torch.Tensor | None = None) -> None:
     """Update every MoE layer's selection bias from what its gate recorded in the training forwards
     since the previous call (all micro-batches of the step). rule: "quantile" (exact QB, this process's tokens only), "histogram" (QB from margin
     histograms, `reduce_fn` pools them across ranks), "sign" (DeepSeek-V3, `reduce_fn` pools the
-    loads), None (no update). Frees the records either way."""
+    loads), None (no update). `token_mask` [m] bool: the recorded tokens that count, in record
+    order (a captured step's pad tokens do not: the eager step has none). Frees the records either way."""
     if rule is None:
         for moe in moe_layers(model).values():  # nothing to apply, but the step's records end here
             moe.gate.clear_records()
@@ -154,13 +172,15 @@ def balance_step(model: nn.Module, rule: str | None = "quantile", *, gamma: floa
             raise RuntimeError(f"{name}: no recorded router scores; run a forward in training mode before balance_step")
         bias = gate.e_score_correction_bias
         if rule == "sign":
-            load = gate.expert_load if reduce_fn is None else reduce_fn(gate.expert_load.clone())
+            load = gate.expert_load if token_mask is None else masked_load(gate.last_indices, token_mask,
+                                                                          gate.num_experts)
+            load = load if reduce_fn is None else reduce_fn(load.clone())
             new = sign_update(bias, load, gamma)
         elif rule == "quantile":
-            new = quantile_balance(gate.last_scores, bias, gate.top_k)
+            new = quantile_balance(gate.last_scores, bias, gate.top_k, token_mask)
         else:
             bin_edges = margin_edges(device=bias.device) if edges is None else edges
-            counts = margin_histogram(gate.last_scores, bias, gate.top_k, bin_edges)
+            counts = margin_histogram(gate.last_scores, bias, gate.top_k, bin_edges, token_mask)
             if reduce_fn is not None:
                 counts = reduce_fn(counts)
             new = histogram_balance(counts, bin_edges, gate.top_k)
@@ -174,11 +194,13 @@ def expert_loads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def max_load(model: nn.Module) -> torch.Tensor | None:
+def max_load(model: nn.Module, token_mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """max/mean of each MoE layer's expert load since the last balance_step, stacked [layers] fp32
     on the device (None when nothing is recorded): the trainer reads it back only when it logs.
-    Call it before balance_step, which clears the loads."""
-    loads = list(expert_loads(model).values())
+    Call it before balance_step, which clears the loads. `token_mask`: as balance_step's."""
+    loads = list(expert_loads(model).values()) if token_mask is None else [
+        masked_load(moe.gate.last_indices, token_mask, moe.gate.num_experts)
+        for moe in moe_layers(model).values() if moe.gate.last_indices is not None]
     if not loads:
         return None
     return torch.stack([load.max().float() / load.float().mean().clamp_min(1e-9) for load in loads])

@@ -508,17 +508,23 @@ class Trainer:
             loss_sum = self._loss_sum(batch)
             (loss_sum * scale).backward()
             nll += loss_sum.detach()
-        return StepOutputs(nll, *self._update())
+        return StepOutputs(nll, *self._update(self.real_tokens(batches)))
 
-    def _update(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip, step the optimizer, apply the expert-balance rule (DESIGN §6). Returns the gradient
-        norm and the step's largest expert load over its mean (0 without MoE layers), both on the
-        device: nothing is read back here, so a captured step runs it too."""
+    def real_tokens(self, batches) -> torch.Tensor:
+        """[tokens of every row] bool: not a captured step's padding (pad ids only pad: no text
+        encodes to the tokenizer's pad token), in the order the MoE gates record them."""
+        return torch.cat([b.input_ids[0] != self.config.pad_token_id for b in batches])
+
+    def _update(self, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, step the optimizer, apply the expert-balance rule (DESIGN §6) over the tokens
+        `token_mask` keeps (default all). Returns the gradient norm and the step's largest expert
+        load over its mean (0 without MoE layers), both on the device: nothing is read back here,
+        so a captured step runs it too."""
         grad_norm = clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
         self.optimizer.step()
-        loads = max_load(self.model)  # before balance_step, which clears the loads
-        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce)
+        loads = max_load(self.model, token_mask)  # before balance_step, which clears the loads
+        balance_step(self.model, self.balance_rule, reduce_fn=self.balance_reduce, token_mask=token_mask)
         return grad_norm, loads.max() if loads is not None else torch.zeros_like(grad_norm)
 
     def optimizer_step(self) -> tuple[torch.Tensor, float, torch.Tensor]:

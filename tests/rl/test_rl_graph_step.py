@@ -83,8 +83,8 @@ def test_optimize_through_the_graph_step_trains_as_eager(monkeypatch, cls, chang
     """Distillation: the teacher scores the padded rows eagerly, the update is the graph's."""
     monkeypatch.setattr(rl_trainer, "TRAIN_ROW_TOKENS", 40)  # several rows a step
     # AdamW's first steps scale ulp differences of gradients near its eps by the lr: 1e-3 keeps them under 1e-5
-    eager = update_only_trainer(graphs=False, cls=cls, balance="none", lr=1e-3, **changes)
-    graphed = update_only_trainer(graphs=True, cls=cls, balance="none", lr=1e-3, **changes)
+    eager = update_only_trainer(graphs=False, cls=cls, lr=1e-3, **changes)
+    graphed = update_only_trainer(graphs=True, cls=cls, lr=1e-3, **changes)
     assert isinstance(graphed.graphs, GraphStep) and graphed.optimizer.capturable and not graphed.share_prompts
     # three steps of varied rows, then one that finished no episode (after a replay: no stale gradients)
     steps = [random_trajectories(n, lengths, version=n) for n, lengths in enumerate(STEPS)] + [([], [])]

@@ -20,7 +20,7 @@ CASES = pytest.mark.parametrize("cls, changes", [(RLTrainer, {}), (RLTrainer, {"
 
 
 def _run(cls, changes, *, graphs: bool, capture: bool = True):
-    trainer = update_only_trainer("cuda", graphs=graphs, cls=cls, balance="none", lr=1e-3, **changes)
+    trainer = update_only_trainer("cuda", graphs=graphs, cls=cls, lr=1e-3, **changes)
     if graphs and not capture:  # the reference: the same body, padding and ops, run eagerly
         trainer.graphs = GraphStep(trainer._graph_body, lambda: trainer.optimizer.zero_grad(set_to_none=True),
                                    device=trainer.world.device, pad_id=trainer.config.pad_token_id, capture=False)

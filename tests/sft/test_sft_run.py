@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from k3.sft.batches import example, pack_examples
 from k3.sft.cli import add_arguments, run
@@ -194,11 +195,19 @@ def test_each_lines_reasoning_effort_is_rendered_into_its_example(pretrained, tm
 
 def test_sft_through_the_graph_step_trains_as_eager(pretrained, tmp_path, monkeypatch):
     """Rows padded to token buckets with an ignored pad document (CPU: GraphStep runs its body
-    eagerly in host-free mode); no balance rule, as pad tokens would enter its router statistics."""
+    eagerly in host-free mode), Quantile Balancing counting the real tokens only. Whole
+    conversations both ways: shared prefixes, which captured steps do not use, record each shared
+    token once (the same loss, other balance statistics)."""
     from k3.train.trainer import Trainer
 
-    common = {"steps": 2, "eval_every": 2, "ckpt_every": 2, "agent_episodes": 0, "balance": "none"}
+    common = {"steps": 3, "eval_every": 3, "ckpt_every": 3, "agent_episodes": 0, "share_prefixes": False}
     sft(sft_settings(pretrained, tmp_path / "eager", **common))
     monkeypatch.setattr(Trainer, "_graph_refusal", lambda self: None)
     sft(sft_settings(pretrained, tmp_path / "graphed", **common))
     assert losses(tmp_path / "graphed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
+    weights = [load_file(next((tmp_path / run / "checkpoints" / "step_0000003").glob("model-*.safetensors")))
+               for run in ("eager", "graphed")]
+    biases = [name for name in weights[0] if name.endswith("e_score_correction_bias")]
+    assert biases
+    for name in biases:  # the balance rule saw the same tokens: the pad tokens did not count
+        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-6)

@@ -207,3 +207,22 @@ def test_micro_batches_of_one_step_are_balanced_together():
     balance_step(whole, "quantile")
     assert torch.equal(split.gate.e_score_correction_bias, whole.gate.e_score_correction_bias)
     assert split.gate.last_scores is None and split.gate.expert_load is None
+
+
+def test_masked_balance_counts_only_the_kept_tokens():
+    """A captured step's pad tokens must not move the bias: every rule over scores with extra
+    masked rows = the rule over the kept rows alone (QB's sort path = its kthvalue path exactly)."""
+    from k3.train.balance import margin_edges, margin_histogram, masked_load, quantile_balance
+
+    g = torch.Generator().manual_seed(0)
+    scores, bias = torch.rand(300, 8, generator=g), torch.randn(8, generator=g) * 0.1
+    pads = torch.rand(37, 8, generator=g)
+    mask = torch.cat([torch.ones(300, dtype=torch.bool), torch.zeros(37, dtype=torch.bool)])
+    padded = torch.cat([scores, pads])
+    assert torch.equal(quantile_balance(padded, bias, 2, mask), quantile_balance(scores, bias, 2))
+    assert torch.equal(quantile_balance(scores, bias, 2, torch.ones(300, dtype=torch.bool)),
+                       quantile_balance(scores, bias, 2))
+    edges = margin_edges()
+    assert torch.equal(margin_histogram(padded, bias, 2, edges, mask), margin_histogram(scores, bias, 2, edges))
+    idx = torch.topk(padded, 2, dim=-1).indices
+    assert torch.equal(masked_load(idx, mask, 8), torch.bincount(idx[:300].flatten(), minlength=8))
