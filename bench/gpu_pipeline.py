@@ -2,6 +2,7 @@
 seed, as a user runs them (`python -m k3 train` / `python -m k3 sft` as subprocesses).
 
     python -m bench.gpu_pipeline [--device cuda] [--seeds 0 1 2] [--train-steps 1000] [--sft-steps 700]
+        [--sft-batch-size N] [--precision bf16|fp32]
 
 Prints each seed's wall time per stage and its held-out agent scores (valid XTML, right tool with
 right arguments and right final answer on tool prompts, over `--episodes` held-out episodes), then
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=700)
     ap.add_argument("--train-size", type=int, default=5600)
     ap.add_argument("--episodes", type=int, default=256, help="held-out agent episodes (and held-out conversations)")
+    ap.add_argument("--sft-batch-size", type=int, default=None, help="conversations per SFT step (default: k3 sft's)")
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="both stages' CUDA compute")
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     args = ap.parse_args()
     rows = []
@@ -57,10 +60,13 @@ def main() -> None:
         for seed in args.seeds:
             base, sft = root / f"base-{seed}", root / f"sft-{seed}"
             t_train = run_stage(["train", "--device", args.device, "--seed", str(seed), "--out", str(base),
-                                 "--steps", str(args.train_steps), "--copy-share", str(args.copy_share)])
+                                 "--steps", str(args.train_steps), "--copy-share", str(args.copy_share),
+                                 "--precision", args.precision])
             t_sft = run_stage(["sft", "--run", str(base), "--device", args.device, "--seed", str(seed),
                                "--out", str(sft), "--steps", str(args.sft_steps), "--train-size", str(args.train_size),
-                               "--val-size", str(args.episodes), "--agent-episodes", str(args.episodes)])
+                               "--val-size", str(args.episodes), "--agent-episodes", str(args.episodes),
+                               "--precision", args.precision,
+                               *(["--batch-size", str(args.sft_batch_size)] if args.sft_batch_size else [])])
             scores = agent_scores(sft)
             rows.append({"seed": seed, "train_s": t_train, "sft_s": t_sft, **{k: scores.get(k) for k in SCORES},
                          "episodes": scores.get("episodes")})
