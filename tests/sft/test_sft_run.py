@@ -200,12 +200,12 @@ def test_sft_through_the_graph_step_trains_as_eager(pretrained, tmp_path, monkey
     token once (the same loss, other balance statistics)."""
     from k3.train.trainer import Trainer
 
-    common = {"steps": 3, "eval_every": 3, "ckpt_every": 3, "agent_episodes": 0, "share_prefixes": False}
+    common = {"steps": 2, "eval_every": 2, "ckpt_every": 2, "agent_episodes": 0, "share_prefixes": False}
     sft(sft_settings(pretrained, tmp_path / "eager", **common))
     monkeypatch.setattr(Trainer, "_graph_refusal", lambda self: None)
     sft(sft_settings(pretrained, tmp_path / "graphed", **common))
     assert losses(tmp_path / "graphed") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
-    weights = [load_file(next((tmp_path / run / "checkpoints" / "step_0000003").glob("model-*.safetensors")))
+    weights = [load_file(next((tmp_path / run / "checkpoints" / "step_0000002").glob("model-*.safetensors")))
                for run in ("eager", "graphed")]
     biases = [name for name in weights[0] if name.endswith("e_score_correction_bias")]
     assert biases
