@@ -134,7 +134,7 @@ def test_bad_bodies_are_clear_4xx(fleet):
 def test_a_long_streams_prefill_ends_at_its_first_token_and_its_budget_at_a_hang_up(fleet):
     adm = fleet.router.admission
     for b in fleet.behaviours:
-        b.delay = 0.2  # each character: time to look before the first one
+        b.delay = 0.5  # each character: time to look before the first one, and after it (a loaded machine stalls)
     body = {"model": "m", "prompt": "x" * 1100, "stream": True}  # 1,100 bytes: long (the fakes have no tokenizer)
     with CLIENT.stream("POST", fleet.url + "/v1/completions", json=body) as r:
         url = r.headers["x-k3-replica"]
