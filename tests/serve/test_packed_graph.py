@@ -123,3 +123,25 @@ def test_a_failing_static_step_falls_back_to_the_plain_forward(model, caplog):
     with caplog.at_level("WARNING", logger="k3.serve.runner"):
         assert engine.generate(prompts, GREEDY) == generate(model, prompts, GREEDY.max_tokens)
     assert engine.runner.packed is None and "ZeroDivisionError" in caplog.text
+
+
+def test_static_steps_with_prefix_hits_and_kda_checkpoints(model):
+    """With the prefix cache on: a second wave of prompts sharing the first wave's prefixes starts
+    from cached pages (KDA checkpoints copied in, MLA pages shared) and the static steps continue
+    them; checkpoint copies after a step read the states the static rows wrote back."""
+    g = torch.Generator().manual_seed(7)
+    base = [torch.randint(6, 300, (n,), generator=g).tolist() for n in (20, 33)]
+    second = [base[0] + [7, 8, 9], base[1][:24] + [11] * 5, base[0][:17]]
+    engine = LLMEngine(model, EngineConfig(block_size=4, hash_block_size=8, max_num_batched_tokens=16,
+                                           max_num_seqs=3))
+    engine.runner.packed = PackedGraphs(model, capture=False)
+    assert engine.generate(base, GREEDY) == generate(model, base, GREEDY.max_tokens)
+    ids = {engine.add_request(p, GREEDY).request_id: n for n, p in enumerate(second)}
+    tokens, cached = [[] for _ in second], [0] * len(second)
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[ids[out.request_id]] += [t.token_id for t in out.new_tokens]
+            cached[ids[out.request_id]] = out.num_cached_tokens
+    assert tokens == generate(model, second, GREEDY.max_tokens)
+    assert cached[0] > 0, cached  # the first started from the cache (its KDA checkpoint, shared MLA pages)
+    assert engine.runner.packed.counts["eager"] == engine.runner.step_counts["packed"]
