@@ -19,6 +19,7 @@ host-free body eagerly: what the CPU tests compare with the plain packed forward
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -133,16 +134,19 @@ class PackedGraphs:
         starts = [0, *itertools.accumulate(new)]
         ordered = [0, *itertools.accumulate(new[i] for i in order)]
         check_chunk(ordered + [total] * (shape.rows - n - 1) + [shape.tokens], shape.chunk, shape.decode_rows)
-        token_index = torch.tensor([starts[i] + k for i in order for k in range(new[i])], device=self.device)
-        static.ids[0, :total] = ids[token_index]
+        if order == list(range(n)):  # decode rows already first (the scheduler's usual order)
+            static.ids[0, :total] = ids
+        else:  # each request's tokens, in the static row's order: vectorized, not per token
+            lengths = torch.tensor([new[i] for i in order])
+            first = torch.tensor([starts[i] for i in order]).repeat_interleave(lengths)
+            offset = torch.arange(total) - torch.tensor(ordered[:-1]).repeat_interleave(lengths)
+            static.ids[0, :total] = ids[(first + offset).to(self.device)]
         static.ids[0, total:] = self.pad_id
         bounds = ordered + [total] * (shape.rows - n - 1) + [shape.tokens]
         static.cu.copy_(torch.tensor(bounds, dtype=torch.long), non_blocking=True)
-        position = {}  # a request-order row position -> its position in the ordered row
-        for i in range(n):
-            for k in range(new[i]):
-                position[starts[i] + k] = ordered[row_of[i]] + k
-        kept = [position[p] for p in keep] + [0] * (shape.keep - len(keep))
+        # a kept position p (request i's token p - starts[i]) in the static row
+        owner = [bisect.bisect_right(starts, p) - 1 for p in keep]
+        kept = [ordered[row_of[i]] + p - starts[i] for p, i in zip(keep, owner)] + [0] * (shape.keep - len(keep))
         static.keep.copy_(torch.tensor(kept, dtype=torch.long), non_blocking=True)
         rows = torch.tensor(order, device=self.device)
         cache = static.cache
