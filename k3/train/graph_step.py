@@ -9,7 +9,8 @@ recorded once and replayed with one launch. What makes that possible:
   and each packed row's `cu_seqlens` is padded with zero-length documents to a fixed count (the
   row's bucket: the next power of two >= its documents, so a handful of graphs serve a run); a
   row is any dataclass of tensors (`k3 rl` adds its per-token tensors, k3/rl/objective.py), and
-  its padded shapes pick the graph;
+  its padded shapes pick the graph, with its other fields: host metadata the step was recorded for
+  (the VL images' grids, k3/train/vl_trainer.py), hashable;
 - no host reads inside the step: the ops' host-free paths (k3/ops/host_free.py), a capturable
   optimizer whose learning rate is a device tensor the schedule fills between replays
   (k3/train/muon.py), a sync-free balance update (k3/train/balance.py);
@@ -84,25 +85,35 @@ class StepOutputs:
 class _Graph:
     """One bucket's static inputs (buffers shaped like the step's padded rows) and its captured step."""
 
-    def __init__(self, batches: list, device: torch.device):
+    def __init__(self, batches: list, device: torch.device, scale: float | tuple[float, ...]):
         self.inputs = [dataclasses.replace(b, **{f: torch.zeros_like(t, device=device) for f, t in _tensors(b)})
                        for b in batches]
-        self.scale = torch.zeros((), device=device)
+        self.scale = torch.zeros(() if isinstance(scale, float | int) else (len(scale),), device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
         self.warm = False
 
-    def load(self, batches: list, scale: float) -> None:
+    def load(self, batches: list, scale: float | tuple[float, ...]) -> None:
         for static, b in zip(self.inputs, batches):
             for (_, dst), (_, src) in zip(_tensors(static), _tensors(b)):
                 pinned = src.pin_memory() if src.device.type == "cpu" and dst.is_cuda else src
                 dst.copy_(pinned, non_blocking=True)
-        self.scale.fill_(scale)
+        if self.scale.dim():
+            src = torch.tensor(scale, dtype=self.scale.dtype)
+            self.scale.copy_(src.pin_memory() if self.scale.is_cuda else src, non_blocking=True)
+        else:
+            self.scale.fill_(scale)
 
 
 def _tensors(batch) -> list[tuple[str, torch.Tensor]]:
     """A row's tensor fields (a dataclass: PackedBatch, k3.rl.objective.RLBatch), in field order."""
     return [(f.name, t) for f in dataclasses.fields(batch) if isinstance(t := getattr(batch, f.name), torch.Tensor)]
+
+
+def _host_fields(batch) -> tuple:
+    """A row's other fields (host metadata the step is recorded for): part of its graph's key."""
+    return tuple((f.name, v) for f in dataclasses.fields(batch)
+                 if not isinstance(v := getattr(batch, f.name), torch.Tensor))
 
 
 def padded_docs(batches: list[PackedBatch], tokens: int) -> int:
@@ -113,9 +124,9 @@ def padded_docs(batches: list[PackedBatch], tokens: int) -> int:
 class GraphStep:
     """Replays captured training steps; `body(batches, scale)` is the step to capture: forward and
     backward of each micro-batch (`scale`: a device scalar the body reads, the loss's scale or its
-    denominator), then the update; it returns device tensors (train: a StepOutputs). `zero_grad()`
-    sets every gradient to None (before an eager step or a capture: a captured backward must
-    allocate its gradients, not add to earlier ones).
+    denominator; a tuple of floats: a device vector of them), then the update; it returns device
+    tensors (train: a StepOutputs). `zero_grad()` sets every gradient to None (before an eager step
+    or a capture: a captured backward must allocate its gradients, not add to earlier ones).
     `capture=False`: never capture, run every step eagerly (the tests' reference)."""
 
     def __init__(self, body: Callable[[list, torch.Tensor], object],
@@ -139,17 +150,18 @@ class GraphStep:
             segment = None
         return self.run([pad_batch(b, tokens, docs, self.pad_id) for b in batches], scale, segment)
 
-    def run(self, batches: list, scale: float, segment: int | None = None):
+    def run(self, batches: list, scale: float | tuple[float, ...], segment: int | None = None):
         """Run one step over rows already padded to one shape (dataclasses of tensors with `input_ids`
         [1, T] and `cu_seqlens`, every row the same shapes: their shapes pick the graph). Returns
         what the body returns, valid until the next step."""
         shapes = [tuple(tuple(t.shape) for _, t in _tensors(b)) for b in batches]
         if len(set(shapes)) != 1:
             raise ValueError(f"a captured step's rows must have one shape, got {sorted(set(shapes))}")
-        key = (len(batches), shapes[0], segment)
+        scales = None if isinstance(scale, float | int) else len(scale)
+        key = (len(batches), shapes[0], scales, tuple(_host_fields(b) for b in batches), segment)
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = _Graph(batches, self.device)
+            g = self.graphs[key] = _Graph(batches, self.device, scale)
         g.load(batches, scale)
         if g.graph is not None:
             g.graph.replay()

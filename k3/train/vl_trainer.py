@@ -47,15 +47,17 @@ from k3.model.multimodal import K3ForConditionalGeneration, K3MultimodalConfig
 from k3.model.params import count_parameters, count_vision_parameters
 from k3.text.tokenizer import load_tokenizer, tokenizer_fingerprint, train_tokenizer
 from k3.train.errors import TrainError
+from k3.train.graph_step import padded_docs, token_bucket
 from k3.train.metrics import PLOT_FILE, REPORT_FILE, write_report
 from k3.train.muon import OPTIMIZERS, Blocks, param_groups
 from k3.train.packing import IGNORE_INDEX, cached_token_stream, window, windows_for_step
 from k3.train.parallel import all_reduce_sum, any_rank
 from k3.train.settings import settings
-from k3.train.trainer import Trainer, TrainSettings, validate_common
+from k3.train.trainer import MAX_GRAPH_SPAN, Trainer, TrainSettings, validate_common
 from k3.train.transforms import apply_transforms
 from k3.train.vl_config import VLCheckpointConfig, load_vl_config
 from k3.train.vl_data import VLEncoder, corpus_texts, describe, pack_vl, scene_questions, scenes_for_step
+from k3.train.vl_graph import VLGraphRow, pad_vl_batch
 
 VQA_CHUNK = 64  # held-out prompts per prefill
 TOKENIZER_SCENES = 400  # scenes whose question/answer text joins the tokenizer's training text
@@ -164,6 +166,7 @@ def vl_param_groups(model: K3ForConditionalGeneration, *, weight_decay: float, o
 class VLTrainer(Trainer):
     SETTINGS = VLSettings
     CHAT_MODEL = True  # it learns chat conversations: `k3 chat` / `k3 serve` take it as a chat model
+    OWN_GRAPH_STEP = True  # train_step replays its step through self.graphs (DESIGN §14.5)
 
     def _validate_settings(self, settings: VLSettings, config: K3MultimodalConfig) -> None:
         _validate_vl(settings, config, self.world.size)
@@ -274,6 +277,11 @@ class VLTrainer(Trainer):
         s, world, device = self.s, self.world, self.world.device
         windows, scenes = self.rank_items()
         docs = self.documents(scenes)
+        if self.graphs is not None:
+            record = self._graph_train_step_vl(windows, docs)
+            if record is not None:
+                return record
+            self.optimizer.zero_grad(set_to_none=True)  # a replayed step leaves its gradients set
         # the step's normalizers over all ranks (each rank renders its own documents only)
         counts = torch.tensor([sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows),
                                sum(d.answers for d in docs)], dtype=torch.float64, device=device)
@@ -297,6 +305,87 @@ class VLTrainer(Trainer):
         return {"kind": "train", "step": self.step, "loss": text_loss + s.vl_loss_weight * image_loss,
                 "text_loss": text_loss, "image_loss": image_loss, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens": self.tokens_seen, "images": len(docs), "max_load": round(float(load), 3), "step_tokens": tokens}
+
+    # ------------------------------------------------------------------ one step, captured
+    def attention_segment(self) -> int | None:
+        """None: VL documents do not keep to the text windows' boundaries, so a row attends whole."""
+        return None
+
+    def graph_span(self) -> int:
+        """A row: its text windows and its VL documents (each about `seq_len` tokens, VLSettings)."""
+        s = self.s
+        return (s.batch_size + s.vl_scenes) // s.grad_accum * s.seq_len
+
+    def _graph_train_step_vl(self, windows: list[int], docs: list) -> dict | None:
+        """train_step through captured graphs (one process): the rows padded to one shape, the two
+        normalizers a device vector, the record's `stats` and `vl_stats` read back by _flush_steps.
+        None (the step then runs eagerly): the row is longer than MAX_GRAPH_SPAN."""
+        s = self.s
+        text_targets = max(sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows), 1)
+        vl_answers = max(sum(d.answers for d in docs), 1)
+        wm, dm = len(windows) // s.grad_accum, len(docs) // s.grad_accum
+        batches = [pack_vl(self.train_data, windows[j * wm:(j + 1) * wm], s.seq_len, docs[j * dm:(j + 1) * dm])
+                   for j in range(s.grad_accum)]
+        tokens = token_bucket(max(b.input_ids.shape[1] for b in batches))
+        if tokens > MAX_GRAPH_SPAN:
+            return None
+        docs_bucket = padded_docs(batches, tokens)
+        rows = [pad_vl_batch(b, tokens, docs_bucket, self.config.pad_token_id, self.mm_config.media_placeholder_token_id)
+                for b in batches]
+        for b, row in zip(batches, rows):  # the model's own placeholder check reads the device: here on the host
+            want = 0 if b.grid_thws is None else sum(self.model.placeholder_counts(b.grid_thws))
+            if row.image_positions.numel() != want:
+                raise TrainError(f"a packed row has {row.image_positions.numel()} image placeholders, its images {want} rows")
+        lr = self.scheduler.get_last_lr()[0]
+        out = self.graphs.run(rows, (float(text_targets), float(vl_answers)))
+        stats = out.clone()  # a copy the next replay keeps
+        self.scheduler.step()
+        self.step += 1
+        step_tokens = sum(b.input_ids.shape[1] for b in batches)
+        self.tokens_seen += step_tokens
+        return {"kind": "train", "step": self.step, "stats": stats[:3], "vl_stats": stats[3:], "lr": lr,
+                "tokens": self.tokens_seen, "images": len(docs), "step_tokens": step_tokens}
+
+    def _graph_body(self, batches: list[VLGraphRow], norms: torch.Tensor) -> torch.Tensor:
+        """The step a graph captures: forward and backward of each padded row (the two losses over
+        `norms`, [text targets, VL answers] on the device), clip, update, balance over real tokens.
+        Returns [loss, grad norm, max load, text loss, image loss] (fp64) on the device."""
+        self.model.train()
+        w = self.s.vl_loss_weight
+        sums = torch.zeros(2, dtype=torch.float64, device=self.world.device)
+        for batch in batches:
+            text_sum, vl_sum = self._masked_loss_sums(batch)
+            (text_sum / norms[0] + w * vl_sum / norms[1]).backward()  # the eager step's loss, as a device expression
+            sums += torch.stack([text_sum.detach().double(), vl_sum.detach().double()])
+        grad_norm, load = self._update(self.real_tokens(batches))
+        text_loss, image_loss = (sums / norms.double()).unbind()
+        return torch.stack([text_loss + w * image_loss, grad_norm.double(), load.double(), text_loss, image_loss])
+
+    def _masked_loss_sums(self, batch: VLGraphRow) -> tuple[torch.Tensor, torch.Tensor]:
+        """_loss_sums without host reads: logits at every position, the NLL masked (not gathered),
+        the images' grids from the row's host metadata, their rows copied by index (a masked
+        scatter's backward is a masked select: a host read)."""
+        model = self.model
+        with self._autocast():
+            if batch.pixel_values is None:
+                logits = model.language_model(batch.input_ids, cu_seqlens=batch.cu_seqlens)
+            else:  # K3ForConditionalGeneration.embed, the image rows copied to the host-found placeholder positions
+                mask = batch.input_ids == model.config.media_placeholder_token_id
+                features = model.image_features(batch.pixel_values, batch.grids)
+                embeds = model.language_model.model.embed_tokens(batch.input_ids.masked_fill(mask, 0))
+                embeds = embeds[0].index_copy(0, batch.image_positions, features.to(embeds.dtype))[None]
+                logits = model.language_model(inputs_embeds=embeds, cu_seqlens=batch.cu_seqlens)
+        nll = F.cross_entropy(logits[0].float(), batch.labels[0], ignore_index=IGNORE_INDEX, reduction="none")
+        is_vl = batch.is_vl[0]
+        return torch.where(is_vl, 0.0, nll).sum(), torch.where(is_vl, nll, 0.0).sum()
+
+    def _flush_steps(self, records: list[dict], t0: float, bar) -> None:
+        """Trainer's, with captured steps' text and image losses read back in the same window."""
+        vl = [(r, r.pop("vl_stats")) for r in records if "vl_stats" in r]
+        if vl:
+            for (r, _), (text, image) in zip(vl, torch.stack([v for _, v in vl]).tolist()):
+                r.update(text_loss=text, image_loss=image)
+        super()._flush_steps(records, t0, bar)
 
     # ------------------------------------------------------------------ held-out questions
     def _prompt(self, example: corpus.Example, blank: bool):

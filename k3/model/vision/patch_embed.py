@@ -11,6 +11,8 @@ frames, a non-persistent buffer, so the checkpoint holds `pos_emb.weight` only. 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,9 +50,9 @@ class DividedFixedPosEmb(nn.Module):
         table = self.weight.permute(2, 0, 1).unsqueeze(0)  # [1, D, H0, W0]
         return F.interpolate(table, size=(h, w), mode=self.mode).squeeze(0).permute(1, 2, 0).flatten(0, 1)
 
-    def forward(self, x: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grid_thws: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
         parts = []
-        for t, h, w in grid_thws.tolist():
+        for t, h, w in (grid_thws.tolist() if isinstance(grid_thws, torch.Tensor) else grid_thws):
             if t > self.num_frames:  # the fixed table has init_pos_emb_time rows (official assert)
                 raise ValueError(f"a video of {t} frames exceeds the {self.num_frames}-frame temporal table")
             pos = self.spatial(h, w)
@@ -71,8 +73,11 @@ class PatchEmbed(nn.Module):
         self.pos_emb = DividedFixedPosEmb(cfg.init_pos_emb_height, cfg.init_pos_emb_width, cfg.init_pos_emb_time,
                                           cfg.vt_hidden_size, cfg.pos_emb_interpolation_mode)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
-        counts = (grid_thws.prod(-1)).sum().item()
+    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+        """grid_thws: a tensor, or (t, h, w) ints (then nothing is read back from the device)."""
+        if isinstance(grid_thws, torch.Tensor):
+            grid_thws = grid_thws.tolist()
+        counts = sum(t * h * w for t, h, w in grid_thws)
         if pixel_values.shape[0] != counts:
             raise ValueError(f"{pixel_values.shape[0]} patches given, grid_thws describes {counts}")
         x = self.proj(pixel_values).flatten(1)

@@ -9,17 +9,19 @@ port pairs x[c] with x[c + K/2] instead, on checkpoints whose q/k rows it permut
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 MAX_GRID = 512  # the official table is 512 x 512 patches and asserts every image fits in it
 
 
-def rope_angles(grid_thws: torch.Tensor, head_dim: int, theta: float = 10000.0,
+def rope_angles(grid_thws: torch.Tensor | Sequence[Sequence[int]], head_dim: int, theta: float = 10000.0,
                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [L, K/2] fp32, for the packed patches of grid_thws."""
+    """(cos, sin), each [L, K/2] fp32, for the packed patches of grid_thws (a tensor, or (t, h, w) ints)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 4, device=device, dtype=torch.float32) / head_dim))
     rows, cols = [], []
-    for t, h, w in grid_thws.tolist():
+    for t, h, w in (grid_thws.tolist() if isinstance(grid_thws, torch.Tensor) else grid_thws):
         if not (1 <= h <= MAX_GRID and 1 <= w <= MAX_GRID):
             raise ValueError(f"a {h} x {w} patch grid is outside the {MAX_GRID} x {MAX_GRID} rotary table")
         flat = torch.arange(h * w, device=device, dtype=torch.float32)

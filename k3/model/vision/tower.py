@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from k3.model.vision.config import VisionConfig
+from k3.model.vision.layout import ImageLayout, LayoutCache
 from k3.model.vision.merge import tpool_merge
 from k3.model.vision.patch_embed import PatchEmbed
-from k3.model.vision.rope2d import apply_rope_2d, rope_angles
+from k3.model.vision.rope2d import apply_rope_2d
 
 
 def image_cu_seqlens(grid_thws: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
@@ -29,20 +31,23 @@ def image_cu_seqlens(grid_thws: torch.Tensor, device: torch.device | None = None
 
 
 def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                    max_seqlen: int) -> torch.Tensor:
+                    max_seqlen: int, bounds: Sequence[int] | None = None) -> torch.Tensor:
     """Non-causal attention within each packed sequence: q, k, v [L, H, K] -> [L, H, K], scale K^-1/2.
     On CUDA (sm80+) in half precision one varlen flash kernel (the official tower's
-    flash_attn_varlen_func); elsewhere `attention_per_sequence`."""
+    flash_attn_varlen_func); elsewhere `attention_per_sequence` (over `bounds`, cu_seqlens on the
+    host, when given: no read back)."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device)[0] >= 8:
         from torch.nn.attention.varlen import varlen_attn
         return varlen_attn(q, k, v.contiguous(), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-    return attention_per_sequence(q, k, v, cu_seqlens)
+    return attention_per_sequence(q, k, v, cu_seqlens if bounds is None else bounds)
 
 
-def attention_per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def attention_per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """One SDPA call per sequence: never builds an L x L mask, whatever the number of images."""
     out = []
-    for s, e in itertools.pairwise(cu_seqlens.tolist()):
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    for s, e in itertools.pairwise(bounds):
         qi, ki, vi = (t[s:e].transpose(0, 1) for t in (q, k, v))
         out.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))
     return torch.cat(out)
@@ -86,15 +91,13 @@ class MoonViTBlock(nn.Module):
         self.wqkv = nn.Linear(cfg.vt_hidden_size, 3 * cfg.qkv_size, bias=cfg.attn_bias)
         self.wo = nn.Linear(cfg.qkv_size, cfg.vt_hidden_size, bias=cfg.attn_bias)
 
-    def attention(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                  rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, layout: ImageLayout) -> torch.Tensor:
         q, k, v = self.wqkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
-        q, k = apply_rope_2d(q, *rope), apply_rope_2d(k, *rope)
-        return self.wo(image_attention(q, k, v, cu_seqlens, max_seqlen).flatten(-2))
+        q, k = apply_rope_2d(q, *layout.rope), apply_rope_2d(k, *layout.rope)
+        return self.wo(image_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen, layout.bounds).flatten(-2))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.attention(self.norm0(x), cu_seqlens, max_seqlen, rope)
+    def forward(self, x: torch.Tensor, layout: ImageLayout) -> torch.Tensor:
+        x = x + self.attention(self.norm0(x), layout)
         return x + self.mlp(self.norm1(x))
 
 
@@ -107,27 +110,26 @@ class MoonViTEncoder(nn.Module):
         self.blocks = nn.ModuleList(MoonViTBlock(cfg) for _ in range(cfg.vt_num_hidden_layers))
         self.final_layernorm = _norm(cfg, cfg.vt_hidden_size)
 
-    def forward(self, x: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
-        rope = rope_angles(grid_thws, self.head_dim, device=x.device)
-        cu_seqlens = image_cu_seqlens(grid_thws, x.device)
-        max_seqlen = int(grid_thws.prod(-1).max())
+    def forward(self, x: torch.Tensor, layout: ImageLayout) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x, cu_seqlens, max_seqlen, rope)
+            x = block(x, layout)
         return self.final_layernorm(x)
 
 
 class MoonViT(nn.Module):
     """pixels [L, 3, P, P] + grid_thws [N, 3] -> merged [M, kh * kw, D] (official
-    `MoonViT3dPretrainedModel`, the checkpoint's `vision_tower`)."""
+    `MoonViT3dPretrainedModel`, the checkpoint's `vision_tower`). grid_thws: a tensor, or (t, h, w)
+    ints; the grid-derived metadata is built once per grid tuple and device (k3/model/vision/layout.py),
+    so with host grids a forward reads nothing back from the device (a captured step's form)."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.merge_kernel_size = tuple(cfg.merge_kernel_size)
         self.patch_embed = PatchEmbed(cfg)
         self.encoder = MoonViTEncoder(cfg)
+        self.layouts = LayoutCache(cfg.head_dim)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
-        if grid_thws.dim() != 2 or grid_thws.shape[1] != 3:
-            raise ValueError(f"grid_thws must be [N, 3] (t, h, w), got {tuple(grid_thws.shape)}")
-        x = self.encoder(self.patch_embed(pixel_values, grid_thws), grid_thws)
-        return tpool_merge(x, grid_thws, self.merge_kernel_size)
+    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+        layout = self.layouts.get(grid_thws, pixel_values.device)
+        x = self.encoder(self.patch_embed(pixel_values, layout.grids), layout)
+        return tpool_merge(x, layout.grids, self.merge_kernel_size)
