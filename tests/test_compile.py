@@ -38,6 +38,7 @@ def test_compiled_regions_match_eager():
         assert_rel_close("grad", g_ref, g, 1e-5)
 
 
+@pytest.mark.slow  # ~6 s of tracing; the default run decodes through traced regions in tests/serve/test_engine.py
 def test_compiled_regions_decode_in_place():
     """Decode writes the cache in place (MLA rows, KDA states); traced regions must keep doing so."""
     from k3.model.cache import K3Cache

@@ -200,7 +200,8 @@ def test_sft_through_the_graph_step_trains_as_eager(pretrained, tmp_path, monkey
     token once (the same loss, other balance statistics)."""
     from k3.train.trainer import Trainer
 
-    common = {"steps": 2, "eval_every": 2, "ckpt_every": 2, "agent_episodes": 0, "share_prefixes": False}
+    common = {"steps": 2, "eval_every": 2, "ckpt_every": 2, "agent_episodes": 0, "share_prefixes": False,
+              "train_size": 8, "val_size": 2}
     sft(sft_settings(pretrained, tmp_path / "eager", **common))
     monkeypatch.setattr(Trainer, "_graph_refusal", lambda self: None)
     sft(sft_settings(pretrained, tmp_path / "graphed", **common))
