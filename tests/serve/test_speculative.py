@@ -213,8 +213,9 @@ def _chi_square_p(samples: list[int], probs: torch.Tensor) -> float:
     return chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue
 
 
-@pytest.mark.parametrize("settings_", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8},
-                                       {"temperature": 1.3, "top_k": 5}])
+@pytest.mark.parametrize("settings_", [  # the default run checks one; every filter under -m slow (~3 s each)
+    {"temperature": 0.7, "top_p": 0.8}, pytest.param({"temperature": 1.0}, marks=pytest.mark.slow),
+    pytest.param({"temperature": 1.3, "top_k": 5}, marks=pytest.mark.slow)])
 def test_verification_keeps_the_target_distribution(settings_):
     """The first emitted token is distributed as the target's p_0; given it equals the first draft
     and a second token follows, that one as p_1 (the target's law after the draft), over 20k

@@ -91,6 +91,7 @@ def test_the_reference_policy_scores_every_task(own_tmp):
                [m["content"] for m in task.reference if m["role"] == "tool"]
 
 
+@pytest.mark.slow  # ~7 s of sandboxed episodes; the default run plays the reference policy's
 def test_noop_and_random_policies_score_nothing(own_tmp):
     tasks = make_domain("shell", 2).tasks("train", 8)
     for task in tasks:
