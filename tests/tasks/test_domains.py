@@ -217,8 +217,10 @@ def _need_sandbox() -> None:
         pytest.skip(f"no sandbox on this host: {_sandbox_error()}")
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("effort", ["low", "max"])
+# the shell domain's episodes run sandboxed (~3 s an effort): one effort in the default run
+@pytest.mark.parametrize("name, effort", [
+    pytest.param(n, e, marks=pytest.mark.slow) if (n, e) == ("shell", "max") else (n, e)
+    for e in ("low", "max") for n in NAMES])
 def test_render_parse_round_trip(name, effort):
     if name == "shell":  # its tools run in a sandbox (k3/tasks/shell.py)
         _need_sandbox()
