@@ -122,16 +122,23 @@ class K3ForConditionalGeneration(Pretrained, nn.Module):
         return self.mm_projector(self.vision_tower(pixel_values, grid_thws))
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-              grid_thws: torch.Tensor | None = None) -> torch.Tensor:
+              grid_thws: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> inputs_embeds [B, T, D]: the LM's token embeddings, with the image
-        rows written over the placeholder positions in order (row-major over [B, T])."""
-        mask = self._placeholders(input_ids, pixel_values, grid_thws)
+        rows written over the placeholder positions in order (row-major over [B, T]). `positions`:
+        those positions along the flattened [B * T], found and checked by the caller on the host
+        (a captured step: the rows are then copied by index, since masked_scatter's backward reads
+        the device, and the placeholder count is not read back)."""
+        token = self.config.media_placeholder_token_id
+        mask = self._placeholders(input_ids, pixel_values, grid_thws) if positions is None else input_ids == token
         embed_tokens = self.language_model.model.embed_tokens
         if pixel_values is None:
             return embed_tokens(input_ids)
         features = self.image_features(pixel_values, grid_thws)
         # the placeholder id need not be a row of the table (tiny vocabularies): embed id 0 there, overwritten
         embeds = embed_tokens(input_ids.masked_fill(mask, 0))
+        if positions is not None:
+            flat = embeds.flatten(0, 1).index_copy(0, positions, features.to(embeds.dtype))
+            return flat.view_as(embeds)
         return embeds.masked_scatter(mask.unsqueeze(-1), features.to(embeds.dtype))
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,

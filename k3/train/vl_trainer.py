@@ -369,11 +369,8 @@ class VLTrainer(Trainer):
         with self._autocast():
             if batch.pixel_values is None:
                 logits = model.language_model(batch.input_ids, cu_seqlens=batch.cu_seqlens)
-            else:  # K3ForConditionalGeneration.embed, the image rows copied to the host-found placeholder positions
-                mask = batch.input_ids == model.config.media_placeholder_token_id
-                features = model.image_features(batch.pixel_values, batch.grids)
-                embeds = model.language_model.model.embed_tokens(batch.input_ids.masked_fill(mask, 0))
-                embeds = embeds[0].index_copy(0, batch.image_positions, features.to(embeds.dtype))[None]
+            else:  # the image rows copied to the placeholder positions found on the host
+                embeds = model.embed(batch.input_ids, batch.pixel_values, batch.grids, positions=batch.image_positions)
                 logits = model.language_model(inputs_embeds=embeds, cu_seqlens=batch.cu_seqlens)
         nll = F.cross_entropy(logits[0].float(), batch.labels[0], ignore_index=IGNORE_INDEX, reduction="none")
         is_vl = batch.is_vl[0]
