@@ -46,6 +46,15 @@ def test_the_checker_catches_host_reads(read):
         read(x)
 
 
+def test_the_checker_catches_a_read_inside_a_kernel():
+    """masked_scatter's backward selects by the mask inside its own kernel: a host read on CUDA."""
+    x = torch.randn(4, 3, requires_grad=True)
+    rows = torch.randn(12, requires_grad=True)  # the source's gradient is the masked select
+    y = x.masked_scatter(torch.tensor([True, False, True, False])[:, None].expand(4, 3), rows)
+    with no_host_reads(), pytest.raises(HostRead, match="masked_scatter_backward"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("row", ROWS, ids=str)
 def test_token_documents_skip_zero_length_documents(row):
     T = int(row[-1])
