@@ -92,7 +92,7 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, floa
 
 def bench_k3(model, prompts: list[list[int]], new_tokens: list[int], budget: int, max_num_seqs: int,
              cuda_graphs: bool = True, compile: str | None = None,
-             packed_graphs: bool = True) -> tuple[float, float, list[list[int]], dict]:
+             packed_graphs: bool = False) -> tuple[float, float, list[list[int]], dict]:
     """All requests submitted at once; the engine runs at most `max_num_seqs` of them at a time
     (continuous batching) and its cache holds that many requests' pages. Returns the mean TTFT, the
     elapsed time, each request's tokens, and per kind of forward (k3.serve.runner.STEP_KINDS) how
@@ -252,10 +252,11 @@ def run_mixed(hf, ours, workload: dict, vocab: int, warmup: bool = True, profile
     for label in ("warm-up", "measured")[not warmup:]:
         hf_time, hf_out, hf_rows = bench_hf_batches(hf, prompts, wants, concurrency)
         print(f"mixed workload, {label}: HF static batches took {hf_time:.1f} s", flush=True)
-        ttft, k3_time, k3_out, steps = bench_k3(ours, prompts, wants, budget, concurrency, graphs)
+        ttft, k3_time, k3_out, steps = bench_k3(ours, prompts, wants, budget, concurrency, graphs,
+                                                packed_graphs=graphs)
         print(f"mixed workload, {label}: k3 engine ({mode}) took {k3_time:.1f} s; {steps_line(steps)}", flush=True)
     plain = None
-    if graphs:  # the same workload with packed steps run plainly (no static buckets): what they gain
+    if graphs:  # the same workload with packed steps run plainly (the default): what static buckets gain
         plain_time = bench_k3(ours, prompts, wants, budget, concurrency, graphs, packed_graphs=False)[1]
         print(f"mixed workload: k3 engine with plain packed steps took {plain_time:.1f} s", flush=True)
         plain = {f"k3_{mode}_plain_packed_throughput_ratio": hf_time / plain_time}

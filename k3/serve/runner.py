@@ -91,7 +91,7 @@ class ModelRunner:
     def __init__(self, model, layout: PageLayout, num_pages: int, *, seed: int | None = None,
                  cuda_graphs: bool = True, speculator: Speculator | None = None, vision=None,
                  sampler: Sampler | None = None, num_host_pages: int = 0, eager_packed: bool = False,
-                 packed_graphs: bool = True):
+                 packed_graphs: bool = False):
         """`sampler`: the Sampler to pick tokens with (default: a `Sampler(seed)`). `num_host_pages`:
         the prefix cache's host tier (k3/serve/page_transfer.py), 0 for none. `packed_graphs`: with
         `cuda_graphs`, packed steps on static buckets (k3/serve/packed_graph.py). `eager_packed`: run

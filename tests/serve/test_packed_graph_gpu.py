@@ -70,7 +70,7 @@ def test_engine_with_captured_packed_steps_gives_the_eager_steps_tokens():
     outs = {}
     for capture in (True, False):
         engine = LLMEngine(model, EngineConfig(block_size=16, max_num_batched_tokens=24, max_num_seqs=4,
-                                               enable_prefix_caching=False))
+                                               enable_prefix_caching=False, packed_graphs=True))
         assert engine.runner.packed is not None
         engine.runner.packed.capture = capture
         outs[capture] = engine.generate(prompts, params)
