@@ -310,17 +310,23 @@ class ModelRunner:
         request n's row in the cache (default n)."""
         if not self._mla_layers:
             return
-        counts = torch.tensor(kept if kept is not None else [len(r.token_ids) for r in requests])
+        P = self.layout.block_size
+        kept = kept if kept is not None else [len(r.token_ids) for r in requests]
+        counts = torch.tensor(kept)
         seq = torch.repeat_interleave(torch.arange(len(requests)), counts)  # [T] request of each new token
         first = torch.tensor([r.num_computed for r in requests])
         offset_in_chunk = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[seq]
         position = first[seq] + offset_in_chunk
-        widest = max(len(r.page_table) for r in requests)
-        tables = torch.tensor([r.page_table + [0] * (widest - len(r.page_table)) for r in requests])
-        P = self.layout.block_size
+        # only the pages this step writes (a decode step: one per request), not whole page tables:
+        # at long contexts those are thousands of entries per request and step
+        low = [r.num_computed // P for r in requests]
+        touched = [r.page_table[lo:max(lo, (r.num_computed + k - 1) // P + 1)] for r, lo, k in zip(requests, low, kept)]
+        widest = max(1, max(len(t) for t in touched))
+        tables = torch.tensor([t + [0] * (widest - len(t)) for t in touched])
         cache_row = seq if rows is None else torch.tensor(rows)[seq]
+        local = position // P - torch.tensor(low)[seq]
         cache_row, position, page, row = torch.stack(
-            [cache_row, position, tables[seq, position // P], position % P]).to(self.device).unbind(0)
+            [cache_row, position, tables[seq, local], position % P]).to(self.device).unbind(0)
         values = torch.stack([cache.layers[i].buffer[cache_row, position] for i in self._mla_layers], 1)  # [T, M, W]
         self.latent_pages()[page, row] = values.to(self.layout.dtype)
 
