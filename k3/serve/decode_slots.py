@@ -64,7 +64,7 @@ class DecodeSlots:
         blocks = -(-tokens // MLA_CAPACITY_STEP)
         if not self.cuda_graphs:
             return num_seqs, blocks * MLA_CAPACITY_STEP
-        return _power_of_two(num_seqs), _power_of_two(blocks) * MLA_CAPACITY_STEP
+        return power_of_two(num_seqs), power_of_two(blocks) * MLA_CAPACITY_STEP
 
     def must_grow(self, rows: int, columns: int) -> bool:
         return rows > self.rows or (columns > self.columns and bool(self.mla_layers))
@@ -133,5 +133,6 @@ def _grown(have: int, need: int) -> int:
     return have if need <= have else max(need, 2 * have)
 
 
-def _power_of_two(n: int) -> int:
+def power_of_two(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): the rows and latent blocks of a graph's shape."""
     return 1 << max(n - 1, 0).bit_length()

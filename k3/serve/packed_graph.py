@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.model.cache import MLA_CAPACITY_STEP, K3Cache, KDAState, MLAState
+from k3.model.cache import MLA_CAPACITY_STEP, K3Cache
 from k3.ops.host_free import check_chunk, host_free
+from k3.serve.decode_slots import power_of_two
 
 MAX_GRAPHS = 32  # shapes captured per engine; steps of further shapes run host-free eagerly
 MAX_TOKENS = 8192  # longer rows run the plain packed forward (MLA's query grid grows with chunk x columns)
@@ -36,10 +37,6 @@ def bucket(n: int, per_doubling: int = 4) -> int:
     """n rounded up to a multiple of a `per_doubling`-th of the next power of two (<= 1/per_doubling padding)."""
     step = max(1, (1 << max(0, n - 1).bit_length()) // per_doubling)
     return -(-n // step) * step
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _pow2_floor(n: int) -> int:
@@ -61,10 +58,10 @@ def packed_shape(new: list[int], past: list[int], keep: int) -> PackedShape:
     total = sum(new)
     tokens = bucket(total + 1)  # at least one pad token: the scratch document is never empty
     decode = _pow2_floor(sum(1 for n in new if n == 1))
-    rest = [n for n in new[decode:]] + [tokens - total]
-    columns = _pow2(-(-max(p + n for p, n in zip(past, new)) // MLA_CAPACITY_STEP)) * MLA_CAPACITY_STEP
-    columns = max(columns, _pow2(tokens - total))  # the scratch row holds the pad tokens
-    return PackedShape(tokens, _pow2(len(new) + 1), decode, _pow2(max(rest)), columns, _pow2(max(keep, 1)))
+    rest = [*new[decode:], tokens - total]
+    columns = power_of_two(-(-max(p + n for p, n in zip(past, new)) // MLA_CAPACITY_STEP)) * MLA_CAPACITY_STEP
+    columns = max(columns, power_of_two(tokens - total))  # the scratch row holds the pad tokens
+    return PackedShape(tokens, power_of_two(len(new) + 1), decode, power_of_two(max(rest)), columns, power_of_two(max(keep, 1)))
 
 
 class _Static:
@@ -133,7 +130,8 @@ class PackedGraphs:
         shape, n, total = static.shape, len(new), sum(new)
         starts = [0, *itertools.accumulate(new)]
         ordered = [0, *itertools.accumulate(new[i] for i in order)]
-        check_chunk(ordered + [total] * (shape.rows - n - 1) + [shape.tokens], shape.chunk, shape.decode_rows)
+        bounds = ordered + [total] * (shape.rows - n - 1) + [shape.tokens]  # zero-length documents, the scratch one
+        check_chunk(bounds, shape.chunk, shape.decode_rows)
         if order == list(range(n)):  # decode rows already first (the scheduler's usual order)
             static.ids[0, :total] = ids
         else:  # each request's tokens, in the static row's order: vectorized, not per token
@@ -142,7 +140,6 @@ class PackedGraphs:
             offset = torch.arange(total) - torch.tensor(ordered[:-1]).repeat_interleave(lengths)
             static.ids[0, :total] = ids[(first + offset).to(self.device)]
         static.ids[0, total:] = self.pad_id
-        bounds = ordered + [total] * (shape.rows - n - 1) + [shape.tokens]
         static.cu.copy_(torch.tensor(bounds, dtype=torch.long), non_blocking=True)
         # a kept position p (request i's token p - starts[i]) in the static row
         owner = [bisect.bisect_right(starts, p) - 1 for p in keep]
@@ -180,10 +177,8 @@ class PackedGraphs:
             static.warm = True
             self.counts["eager"] += 1
             return self._step(static)
-        # the capture records what an eager step would compute; the states it wrote are restored
-        # first, then the replay runs the step for real
-        saved = [(s.conv.clone(), s.recurrent.clone()) if isinstance(s, KDAState) else (s.buffer.clone(), s.lengths.clone())
-                 for s in static.cache.layers]
+        # a capture records kernels without running them: the static rows still hold the step's
+        # inputs, and the replay after it runs the step
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(self.stream):
@@ -194,23 +189,10 @@ class PackedGraphs:
             self.capture_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.log(f"cuda graphs: packed-step capture failed ({self.capture_error}); packed steps run eagerly")
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._restore(static.cache, saved)
             self.counts["eager"] += 1
             return self._step(static)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self._restore(static.cache, saved)
         static.graph, self.pool = graph, graph.pool()
         self.counts["capture"] += 1
         static.graph.replay()
         return static.logits
-
-    @staticmethod
-    def _restore(cache: K3Cache, saved: list) -> None:
-        for state, kept in zip(cache.layers, saved):
-            if isinstance(state, KDAState):
-                state.conv.copy_(kept[0])
-                state.recurrent.copy_(kept[1])
-            else:
-                assert isinstance(state, MLAState)
-                state.buffer.copy_(kept[0])
-                state.lengths.copy_(kept[1])
