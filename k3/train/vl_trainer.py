@@ -283,14 +283,12 @@ class VLTrainer(Trainer):
                 return record
             self.optimizer.zero_grad(set_to_none=True)  # a replayed step leaves its gradients set
         # the step's normalizers over all ranks (each rank renders its own documents only)
-        counts = torch.tensor([sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows),
-                               sum(d.answers for d in docs)], dtype=torch.float64, device=device)
+        counts = torch.tensor(self._targets(windows, docs), dtype=torch.float64, device=device)
         text_targets, vl_answers = (max(int(c), 1) for c in all_reduce_sum(counts, world).tolist())
         self.model.train()
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # text NLL, VL NLL, tokens
-        wm, dm = len(windows) // s.grad_accum, len(docs) // s.grad_accum
-        for j in range(s.grad_accum):
-            batch = pack_vl(self.train_data, windows[j * wm:(j + 1) * wm], s.seq_len, docs[j * dm:(j + 1) * dm]).to(device)
+        for batch in self._micro_batches(windows, docs):
+            batch = batch.to(device)
             text_sum, vl_sum = self._loss_sums(batch)
             loss = text_sum / text_targets + s.vl_loss_weight * vl_sum / vl_answers
             (loss * world.size).backward()  # FSDP averages gradients over ranks
@@ -306,6 +304,19 @@ class VLTrainer(Trainer):
                 "text_loss": text_loss, "image_loss": image_loss, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens": self.tokens_seen, "images": len(docs), "max_load": round(float(load), 3), "step_tokens": tokens}
 
+    def _targets(self, windows: list[int], docs: list) -> tuple[int, int]:
+        """This rank's text targets and VL answers in the step: the losses' normalizers."""
+        seq_len = self.s.seq_len
+        text = sum(int((window(self.train_data, i, seq_len)[1] != IGNORE_INDEX).sum()) for i in windows)
+        return text, sum(d.answers for d in docs)
+
+    def _micro_batches(self, windows: list[int], docs: list) -> list:
+        """The step's packed rows on the host, one per micro-batch: its share of windows and documents."""
+        s = self.s
+        wm, dm = len(windows) // s.grad_accum, len(docs) // s.grad_accum
+        return [pack_vl(self.train_data, windows[j * wm:(j + 1) * wm], s.seq_len, docs[j * dm:(j + 1) * dm])
+                for j in range(s.grad_accum)]
+
     # ------------------------------------------------------------------ one step, captured
     def attention_segment(self) -> int | None:
         """None: VL documents do not keep to the text windows' boundaries, so a row attends whole."""
@@ -320,12 +331,8 @@ class VLTrainer(Trainer):
         """train_step through captured graphs (one process): the rows padded to one shape, the two
         normalizers a device vector, the record's `stats` and `vl_stats` read back by _flush_steps.
         None (the step then runs eagerly): the row is longer than MAX_GRAPH_SPAN."""
-        s = self.s
-        text_targets = max(sum(int((window(self.train_data, i, s.seq_len)[1] != IGNORE_INDEX).sum()) for i in windows), 1)
-        vl_answers = max(sum(d.answers for d in docs), 1)
-        wm, dm = len(windows) // s.grad_accum, len(docs) // s.grad_accum
-        batches = [pack_vl(self.train_data, windows[j * wm:(j + 1) * wm], s.seq_len, docs[j * dm:(j + 1) * dm])
-                   for j in range(s.grad_accum)]
+        text_targets, vl_answers = (max(c, 1) for c in self._targets(windows, docs))
+        batches = self._micro_batches(windows, docs)
         tokens = token_bucket(max(b.input_ids.shape[1] for b in batches))
         if tokens > MAX_GRAPH_SPAN:
             return None
